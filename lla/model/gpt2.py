@@ -106,7 +106,10 @@ class Attention(nn.Module):
     return self.c_proj(out.reshape(x.shape[:-1] + (self.cfg.n_embd,)))
 
   def step(self, x_t: jax.Array, cache_k: jax.Array, cache_v: jax.Array, t: jax.Array):
-    """One new position attending to a cached prefix.
+    """One new position attending to a cached prefix and to itself.
+
+    The cache is read, never copied: beam search evaluates thousands of candidates
+    against one prefix, and writing k_t into a per-candidate copy would cost a cache each.
 
     Args:
       x_t: [d] the (normalised) input at position t.
@@ -117,14 +120,15 @@ class Attention(nn.Module):
       (y_t [d], k_t [H, D], v_t [H, D]); the caller writes k_t, v_t at row t.
     """
     q_t, k_t, v_t = self._qkv(x_t)
-    keys = cache_k.at[t].set(k_t.astype(cache_k.dtype))
-    values = cache_v.at[t].set(v_t.astype(cache_v.dtype))
-    logits = jnp.einsum("hd,khd->hk", q_t, keys).astype(jnp.float32)
-    logits = logits / math.sqrt(self.cfg.head_dim)
-    visible = jnp.arange(keys.shape[0]) <= t
-    logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
-    out = jnp.einsum("hk,khd->hd", weights, values)
+    scale = 1.0 / math.sqrt(self.cfg.head_dim)
+    prefix_logits = jnp.einsum("hd,khd->hk", q_t, cache_k).astype(jnp.float32) * scale
+    prefix_logits = jnp.where(jnp.arange(cache_k.shape[0]) < t, prefix_logits,
+                              jnp.finfo(jnp.float32).min)
+    self_logit = jnp.einsum("hd,hd->h", q_t, k_t).astype(jnp.float32)[:, None] * scale
+    weights = jax.nn.softmax(jnp.concatenate([prefix_logits, self_logit], axis=-1), axis=-1)
+    weights = weights.astype(v_t.dtype)
+    out = (jnp.einsum("hk,khd->hd", weights[:, :-1], cache_v.astype(v_t.dtype))
+           + weights[:, -1:] * v_t)
     return self.c_proj(out.reshape(self.cfg.n_embd)), k_t, v_t
 
 

@@ -41,6 +41,8 @@ def _config_from_hf(path: pathlib.Path) -> GPT2Config:
   activation = raw.get("activation_function", "gelu_new")
   if activation != "gelu_new":
     raise CheckpointError(f"{path}: activation_function {activation!r} is unsupported (gelu_new only)")
+  if not raw.get("scale_attn_weights", True):
+    raise CheckpointError(f"{path}: scale_attn_weights=false is unsupported (lla scales by 1/sqrt(D))")
   if raw.get("scale_attn_by_inverse_layer_idx", False):
     raise CheckpointError(f"{path}: scale_attn_by_inverse_layer_idx=true is unsupported")
   if not raw.get("tie_word_embeddings", True):
@@ -178,7 +180,8 @@ def save_hf_dir(params, cfg: GPT2Config, directory: str | os.PathLike) -> pathli
       "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_epsilon,
       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
       "scale_attn_weights": True, "tie_word_embeddings": True,
-      "bos_token_id": 50256, "eos_token_id": 50256,
+      # GPT-2's <|endoftext|> is its last token (50256); a small test vocabulary has no 50256.
+      "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
   }
   tmp = directory / (WEIGHTS_FILE + ".tmp")
   save_file(tensors, str(tmp), metadata={"format": "pt"})

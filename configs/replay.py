@@ -1,0 +1,45 @@
+"""Replay registered attacks on a stored capture (lla.attacks.replay).
+
+Run:
+
+  python -m experiments.replay --config=configs/replay.py --config.capture_dir=OUT \
+      --config.attacker.hf_dir=DIR --config.calibration.tokens_npy=CAL.npy \
+      --config.attacks=activation,joint,gradient_only,shuffled_gradients,random_candidates \
+      --workdir=RUN
+
+With no attacker weights given, the attacker uses the embedded default (configs/models.py);
+with no calibration .npy, the calibration split of lla.data.
+"""
+
+import ml_collections
+
+from configs import models
+from lla.data import load as data_load
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.capture_dir = ""  # The capture to replay (experiments/capture.py's --workdir).
+  # The attacker's model (its copy of the client layers): checkpoint / hf_dir / hub.
+  config.attacker = models.get_config(arg or "embedded")
+  # "public": the attacker holds the target's exact client weights; "trained": only the
+  # pre-trained ones while the target fine-tuned its client layers (PROTOCOL section 1).
+  config.knowledge = "public"
+  # Calibration documents: the corpus's calibration split, or a [N, T] .npy of token ids.
+  config.calibration = data_load.get_config()
+  config.calibration.tokens_npy = ""
+  # Comma-separated registered attack names (lla.attacks.registry.names()).
+  config.attacks = "activation,joint,gradient_only,gradient_only_t1,shuffled_gradients,random_candidates"
+  config.budget = ml_collections.ConfigDict()
+  config.budget.candidates = 32  # C: activation candidates per position.
+  config.budget.beam_width = 2  # W.
+  config.budget.c_a = 16  # Joint attack: activation candidates at t >= 1.
+  config.budget.c_g = 16  # Joint attack: gradient-ranked candidates at t >= 1.
+  config.budget.ridge_alpha = 1e-3  # lam = ridge_alpha * trace(Hc^T Hc) / d.
+  config.budget.shuffle_seed = 17  # Derangement of the shuffled-gradient control.
+  config.seed = 0  # Attack seed (random-candidate control).
+  config.model_seed = 0  # Which fine-tuned target this capture came from (for the bootstrap).
+  config.reference = ""  # run_id of the linked undefended reference run (defended captures).
+  config.run_prefix = ""  # Prefix of each record's run_id.
+  config.memory_budget_mb = 2048  # Per-chunk working set; documents are chunked to fit.
+  return config

@@ -1,0 +1,23 @@
+"""Runs a target once and writes its boundary messages as a capture directory.
+
+  python -m experiments.capture --config=configs/capture.py --workdir=OUT
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from lla.capture import runner
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Capture config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Capture directory to write.", required=True)
+
+
+def main(argv):
+  del argv
+  sha = runner.capture_from_config(_CONFIG.value, _WORKDIR.value)
+  logging.info("capture written to %s (manifest sha256 %s)", _WORKDIR.value, sha)
+  print(f"capture: {_WORKDIR.value} manifest sha256 {sha}")
+
+
+if __name__ == "__main__":
+  app.run(main)

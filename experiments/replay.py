@@ -1,0 +1,23 @@
+"""Replays registered attacks on a capture and writes predictions and records.
+
+  python -m experiments.replay --config=configs/replay.py --config.capture_dir=CAP --workdir=RUN
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from lla.attacks import replay_runner
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it exists).",
+                               required=True)
+
+
+def main(argv):
+  del argv
+  for record in replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value):
+    print(f"{record.attack:24s} {record.status:8s} flops={record.flops} wall_s={record.wall_s}")
+
+
+if __name__ == "__main__":
+  app.run(main)

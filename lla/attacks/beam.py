@@ -1,0 +1,122 @@
+"""Activation-matching beam search (PROTOCOL section 4), KV-cached and vmapped.
+
+For each document, beams hold a prefix, its client KV cache and a score. At position t
+every (beam, candidate) pair runs one cached client step; its cost is
+`||client(prefix + [c])[t] - h[t]||^2`, added to the beam's score, and the W lowest totals
+survive. Pairs are flattened beam-major (`w * C + c`) and `lax.top_k` is stable, so ties
+go to the lower beam index (beams are kept sorted, best first), then the lower candidate
+rank. Position 0 is the same step from one empty beam: the other W-1 start at +inf.
+
+The scan body is one position for all documents, vmapped over documents, beams and
+candidates, so each block's matmuls run as `[docs * W * C, d] x [d, 4d]` GEMMs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+
+
+def _doc_step(params, cfg: GPT2Config, carry, position):
+  """One position of one document's beam search.
+
+  Args:
+    carry: (cache [W, k, 2, T, H, D], tokens [W, T] int32, scores [W] float32).
+    position: (t scalar, candidates [C] int32, target h_t [d]).
+  """
+  cache, tokens, scores = carry
+  t, candidates, target = position
+  width, num_candidates = scores.shape[0], candidates.shape[0]
+
+  def expand(beam_cache):
+    step = lambda token: split.client_step_kv(params, cfg, beam_cache, token, t)
+    return jax.vmap(step)(candidates)
+
+  h, kv = jax.vmap(expand)(cache)                      # [W, C, d], [W, C, k, 2, H, D]
+  cost = jnp.sum((h - target) ** 2, axis=-1)           # [W, C]
+  total = (scores[:, None] + cost).reshape(-1)         # beam-major
+  neg_best, flat = jax.lax.top_k(-total, width)
+  beam, rank = flat // num_candidates, flat % num_candidates
+  new_cache = jax.vmap(split.write_cache, in_axes=(0, 0, None))(cache[beam], kv[beam, rank], t)
+  new_tokens = tokens[beam].at[:, t].set(candidates[rank])
+  return (new_cache, new_tokens, -neg_best), None
+
+
+def _init_carry(cfg: GPT2Config, k: int, width: int, seq_len: int):
+  cache = jnp.zeros((width, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
+  tokens = jnp.zeros((width, seq_len), jnp.int32)
+  scores = jnp.full((width,), jnp.inf, jnp.float32).at[0].set(0.0)
+  return cache, tokens, scores
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "width"))
+def beam_search(params, cfg: GPT2Config, k: int, target: jax.Array, candidates: jax.Array,
+                width: int):
+  """Beam search over all documents.
+
+  Args:
+    params: the attacker's GPT-2 parameters (client layers 0..k-1 are used).
+    cfg: model config.
+    k: the cut.
+    target: [B, T, d] observed forward messages.
+    candidates: [B, T, C] int32 candidate tokens per position, best first.
+    width: beam width W; W > C is allowed (beams without a finite path stay at +inf).
+
+  Returns:
+    (tokens [B, T] of the best beam, score [B] its summed squared distance).
+  """
+  _validate(cfg, k, target, candidates, width)
+  seq_len = target.shape[1]
+
+  def one_doc(doc_target, doc_candidates):
+    carry = _init_carry(cfg, k, width, seq_len)
+    positions = (jnp.arange(seq_len), doc_candidates, doc_target)
+    (_, tokens, scores), _ = jax.lax.scan(
+        lambda c, p: _doc_step(params, cfg, c, p), carry, positions)
+    return tokens[0], scores[0]
+
+  return jax.vmap(one_doc)(target, candidates)
+
+
+def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:
+  if not 1 <= k < cfg.n_layer:
+    raise ValueError(f"cut k={k} must satisfy 1 <= k < n_layer={cfg.n_layer}")
+  if target.ndim != 3 or target.shape[-1] != cfg.n_embd:
+    raise ValueError(f"activations must be [B, T, {cfg.n_embd}], got {target.shape}")
+  if candidates.shape[:2] != target.shape[:2]:
+    raise ValueError(f"candidates {candidates.shape} do not match activations {target.shape}")
+  if width < 1:
+    raise ValueError(f"beam width must be >= 1, got {width}")
+
+
+def step_cost_fn(params, cfg: GPT2Config, k: int, num_docs: int, width: int,
+                 num_candidates: int, seq_len: int):
+  """A jitted function of one scan step for `num_docs` documents, for XLA cost analysis.
+
+  XLA's cost analysis counts a while loop's body once, so the search's FLOPs are this
+  step's FLOPs times T.
+  """
+  carry = jax.vmap(lambda _: _init_carry(cfg, k, width, seq_len))(jnp.arange(num_docs))
+  position = (jnp.zeros((num_docs,), jnp.int32),
+              jnp.zeros((num_docs, num_candidates), jnp.int32),
+              jnp.zeros((num_docs, cfg.n_embd), jnp.float32))
+  step = jax.vmap(lambda c, p: _doc_step(params, cfg, c, p)[0])
+  return jax.jit(step).lower(carry, position)
+
+
+def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candidates: int,
+                   seq_len: int) -> float:
+  """Matmul FLOPs of the search: W*C one-token client steps per position and document.
+
+  Per step and block: qkv 6d^2, output projection 2d^2, MLP 16d^2, attention over the
+  prefix 4*T*d (scores and values, the whole cache length, as computed).
+  """
+  d = cfg.n_embd
+  per_token_block = 24.0 * d * d + 4.0 * seq_len * d
+  per_token = k * per_token_block + 2.0 * d  # + the cost's squared distance
+  return float(num_docs) * seq_len * width * num_candidates * per_token

@@ -1,0 +1,56 @@
+"""Registered one-shot attacks: ridge inversion alone and the gradient-only heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+
+from lla.attacks import registry
+from lla.attacks.workspace import Workspace
+
+
+@dataclasses.dataclass(frozen=True)
+class OneShotAttack:
+  """Predictions read off shared stages; charged those stages' FLOPs."""
+
+  spec: registry.AttackSpec
+  predict: Callable[[Workspace, object], np.ndarray]
+  stages: tuple[str, ...]
+
+  def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
+    predictions = self.predict(ws, budget).astype(np.int32)
+    costs = [ws.costs[s] for s in self.stages]
+    source = "xla" if all(c.source == "xla" for c in costs) else "analytic"
+    flops = sum(c.flops if source == "xla" else c.analytic for c in costs)
+    return registry.AttackResult(predictions, flops, source, sum(c.analytic for c in costs))
+
+
+def _ridge(ws: Workspace, budget) -> np.ndarray:
+  # The first column of any candidate list is the nearest token (stable ties).
+  return ws.activation_ranked(int(budget.candidates))[..., 0]
+
+
+def _gradient_only(ws: Workspace, budget) -> np.ndarray:
+  """t >= 1: argmax_v <-g[t-1], wte[v]>; t = 0: the calibration's most common token."""
+  ranked = ws.gradient_ranked(int(budget.c_a) + int(budget.c_g), ws.gradients,
+                              "gradient_ranking")
+  predictions = ranked[..., 0].copy()
+  predictions[:, 0] = ws.baseline_token
+  return predictions
+
+
+registry.register(OneShotAttack(
+    registry.AttackSpec("ridge", "ridge", ("activations",), budget_fields=("ridge_alpha",),
+                        description="linear (ridge) inversion alone: nearest token"),
+    _ridge, ("ridge", "activation_candidates")))
+
+for _name, _positions in (("gradient_only", "all"), ("gradient_only_t1", "t>=1")):
+  registry.register(OneShotAttack(
+      registry.AttackSpec(
+          _name, "gradient_heuristic", ("gradients",), knowledge=("public", "trained", "none"),
+          needs_weights=False, budget_fields=(), scored_positions=_positions,
+          description=f"argmax of the previous position's negative gradient, scored on {_positions}"),
+      _gradient_only, ("gradient_ranking",)))

@@ -1,0 +1,83 @@
+"""Capture: run the target once and store its boundary messages.
+
+The client sends h for every document; in a training capture the server returns
+g = dL/dh, with L the mean next-token loss over the documents of one training batch
+(PROTOCOL section 1). Batches follow the order of `tokens`; each document's batch index is
+its `step` and its place in the batch its `order`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from lla.capture import store
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+from lla.protocol import tuple as protocol
+
+
+def boundary_messages_batched(params, cfg: GPT2Config, tokens: np.ndarray, cut: int,
+                              batch_size: int, training: bool):
+  """(h [B, T, d], g [B, T, d] or None) computed one training batch at a time."""
+  hs, gs = [], []
+  for start in range(0, tokens.shape[0], batch_size):
+    batch = jnp.asarray(tokens[start:start + batch_size])
+    if training:
+      h, g = split.boundary_messages(params, cfg, batch, cut)
+      gs.append(np.asarray(g))
+    else:
+      h = split.client(params, cfg, batch, cut)
+    hs.append(np.asarray(h))
+  return np.concatenate(hs), (np.concatenate(gs) if training else None)
+
+
+def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
+                   document_ids, cut: int, *, model_id: str, corpus: str = "custom",
+                   split_hashes: dict | None = None, training: bool = True,
+                   batch_size: int = 32, session_id: str | None = None,
+                   messages=None, defense: str = "none", defense_params: dict | None = None,
+                   extra_metadata: dict | None = None) -> str:
+  """Runs the split on `tokens` [B, T] and writes a capture; returns its manifest sha256.
+
+  Args:
+    messages: optional precomputed (h, g) — a defense transforms them before storage.
+    defense, defense_params: the defense that produced `messages` (public parameters only).
+  """
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be [B, T] integers, got {tokens.dtype} {tokens.shape}")
+  if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+    raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
+                     f"[{tokens.min()}, {tokens.max()}]")
+  if tokens.shape[1] > cfg.n_positions:
+    raise ValueError(f"T={tokens.shape[1]} exceeds the model's n_positions={cfg.n_positions}")
+  tokens = tokens.astype(np.int32)
+  if messages is None:
+    messages = boundary_messages_batched(params, cfg, tokens, cut, batch_size, training)
+  h, g = messages
+  e = protocol.make(
+      T=protocol.Target(model_id=model_id, cut=cut, defense=defense,
+                        defense_params=protocol.frozen(defense_params or {}),
+                        n_layer=cfg.n_layer),
+      O=protocol.Observations(activations=True, gradients=g is not None),
+      C=protocol.Corpora(name=corpus, seq_len=int(tokens.shape[1]),
+                         split_hashes=protocol.frozen(split_hashes or {})))
+  num_docs = tokens.shape[0]
+  metadata = {
+      # Deterministic by default, so the same target and documents capture to the same bytes.
+      "session_id": session_id or hashlib.sha256(
+          (e.sha256() + tokens.tobytes().hex()).encode()).hexdigest()[:16],
+      "document_ids": [int(i) for i in document_ids],
+      "step": [i // batch_size for i in range(num_docs)],
+      "order": [i % batch_size for i in range(num_docs)],
+      "batch_size": batch_size,
+      "mode": "training" if g is not None else "inference",
+      "checkpoint_sha256": model_id,
+      "protocol": e.to_dict(),
+      "e_hash": e.sha256(),
+      **(extra_metadata or {}),
+  }
+  return store.write_capture(directory, h, g, tokens, metadata)

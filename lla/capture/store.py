@@ -1,0 +1,170 @@
+"""The capture directory: boundary messages stored once, replayed by any attack.
+
+    CAPTURE/
+      messages.safetensors   activations [B, T, d] float32; gradients [B, T, d] (training)
+      truth.safetensors      tokens [B, T] int32 (ground truth, for the scorer only)
+      metadata.json          session id, step, order, document ids, E, checkpoint hash
+      manifest.sha256        sha256 of every other file
+
+A capture is written into a temporary sibling directory and renamed into place, so an
+interrupted capture leaves nothing that looks finished; an existing capture is never
+overwritten. Loading verifies the manifest, shapes, dtypes and finiteness, and hands the
+attack side a `Capture` that holds no ground truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from lla.evidence import files, manifest
+
+MESSAGES_FILE = "messages.safetensors"
+TRUTH_FILE = "truth.safetensors"
+METADATA_FILE = "metadata.json"
+SCHEMA = "lla.capture.v1"
+
+
+class CaptureError(ValueError):
+  """A capture that cannot be used; the message names the file and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+  """What the attacker observed. Ground truth is deliberately not a field.
+
+  Attributes:
+    directory: where it was loaded from.
+    activations: [B, T, d] float32 forward messages.
+    gradients: [B, T, d] float32 backward messages, or None for inference captures.
+    metadata: the metadata.json contents (includes the protocol tuple E).
+    manifest_sha256: sha256 of manifest.sha256, the capture's identity.
+  """
+
+  directory: str
+  activations: np.ndarray
+  gradients: np.ndarray | None
+  metadata: dict
+  manifest_sha256: str
+
+  @property
+  def observations(self) -> frozenset[str]:
+    return frozenset({"activations"} | ({"gradients"} if self.gradients is not None else set()))
+
+  @property
+  def document_ids(self) -> list[int]:
+    return list(self.metadata["document_ids"])
+
+
+def _check_messages(name: str, activations, gradients, tokens) -> None:
+  if activations.ndim != 3:
+    raise CaptureError(f"{name}: activations must be [B, T, d], got shape {activations.shape}")
+  if activations.dtype != np.float32:
+    raise CaptureError(f"{name}: activations must be float32, got {activations.dtype}")
+  if not np.isfinite(activations).all():
+    raise CaptureError(f"{name}: activations contain NaN or Inf "
+                       f"({int((~np.isfinite(activations)).sum())} values)")
+  if gradients is not None:
+    if gradients.shape != activations.shape:
+      raise CaptureError(f"{name}: gradients shape {gradients.shape} != activations "
+                         f"shape {activations.shape}")
+    if gradients.dtype != np.float32:
+      raise CaptureError(f"{name}: gradients must be float32, got {gradients.dtype}")
+    if not np.isfinite(gradients).all():
+      raise CaptureError(f"{name}: gradients contain NaN or Inf "
+                         f"({int((~np.isfinite(gradients)).sum())} values)")
+  if tokens is not None:
+    if tokens.shape != activations.shape[:2] or tokens.dtype != np.int32:
+      raise CaptureError(f"{name}: tokens must be int32 {activations.shape[:2]}, got "
+                         f"{tokens.dtype} {tokens.shape}")
+
+
+def write_capture(directory: str | os.PathLike, activations: np.ndarray,
+                  gradients: np.ndarray | None, tokens: np.ndarray, metadata: dict) -> str:
+  """Writes a capture atomically; refuses to overwrite an existing one.
+
+  Args:
+    activations: [B, T, d] float32.
+    gradients: [B, T, d] float32 or None.
+    tokens: [B, T] int32 ground truth.
+    metadata: JSON-serialisable; must hold `document_ids` (B of them) and `protocol`.
+
+  Returns:
+    The sha256 of the written manifest (the capture's identity).
+  """
+  directory = pathlib.Path(directory)
+  if directory.exists() and any(directory.iterdir()):
+    raise FileExistsError(f"{directory}: a capture is already there; refusing to overwrite it")
+  activations = np.ascontiguousarray(activations, np.float32)
+  gradients = None if gradients is None else np.ascontiguousarray(gradients, np.float32)
+  tokens = np.ascontiguousarray(tokens, np.int32)
+  _check_messages(str(directory), activations, gradients, tokens)
+  if len(metadata.get("document_ids", ())) != activations.shape[0]:
+    raise CaptureError(f"{directory}: metadata needs {activations.shape[0]} document_ids")
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
+  try:
+    messages = {"activations": activations}
+    if gradients is not None:
+      messages["gradients"] = gradients
+    save_file(messages, str(staging / MESSAGES_FILE))
+    save_file({"tokens": tokens}, str(staging / TRUTH_FILE))
+    files.atomic_write_json(str(staging / METADATA_FILE), {"schema": SCHEMA, **metadata})
+    manifest.write_manifest(str(staging / ""))
+    if directory.exists():
+      directory.rmdir()
+    os.rename(staging, directory)
+  finally:
+    if staging.exists():
+      shutil.rmtree(staging)
+  return files.sha256_file(str(directory / manifest.MANIFEST_NAME))
+
+
+def verify(directory: str | os.PathLike) -> str:
+  """Checks the manifest; returns its sha256 or raises CaptureError naming each problem."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    raise CaptureError(f"{directory}: capture directory does not exist")
+  report = manifest.verify_manifest(str(directory))
+  if not report.ok:
+    raise CaptureError(f"{directory}: manifest check failed: " + "; ".join(report.problems()))
+  return files.sha256_file(str(directory / manifest.MANIFEST_NAME))
+
+
+def load_capture(directory: str | os.PathLike) -> Capture:
+  """Loads and validates a capture (manifest, shapes, dtypes, finiteness)."""
+  directory = pathlib.Path(directory)
+  manifest_sha = verify(directory)
+  path = directory / MESSAGES_FILE
+  try:
+    messages = load_file(str(path))
+  except (SafetensorError, OSError) as e:
+    raise CaptureError(f"{path}: unreadable safetensors ({e})") from None
+  if "activations" not in messages:
+    raise CaptureError(f"{path}: no 'activations' tensor (has: {sorted(messages)})")
+  activations, gradients = messages["activations"], messages.get("gradients")
+  _check_messages(str(path), activations, gradients, None)
+  metadata = files.read_json(str(directory / METADATA_FILE))
+  if metadata.get("schema") != SCHEMA:
+    raise CaptureError(f"{directory / METADATA_FILE}: schema {metadata.get('schema')!r}, "
+                       f"expected {SCHEMA!r}")
+  if len(metadata.get("document_ids", ())) != activations.shape[0]:
+    raise CaptureError(f"{directory / METADATA_FILE}: {len(metadata.get('document_ids', ()))} "
+                       f"document_ids for {activations.shape[0]} documents")
+  return Capture(str(directory), activations, gradients, metadata, manifest_sha)
+
+
+def load_truth(directory: str | os.PathLike) -> np.ndarray:
+  """Ground-truth tokens [B, T] int32. For the scorer; never passed to an attack."""
+  path = pathlib.Path(directory) / TRUTH_FILE
+  try:
+    return load_file(str(path))["tokens"]
+  except (SafetensorError, OSError, KeyError) as e:
+    raise CaptureError(f"{path}: cannot read ground truth ({e})") from None

@@ -1,0 +1,166 @@
+"""The protocol tuple E = (T, V, O, K, B, C, M, G) of PROTOCOL section 2.
+
+Each component is a frozen record. E serialises to canonical JSON (sorted keys, no
+whitespace) and its sha256 is the experiment's identity: two runs that differ in one
+component are a controlled contrast, and a record names the E it belongs to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+SCHEMA = "lla.protocol.v1"
+POSITIONS = ("passive_server", "eavesdropper", "active_server")
+KNOWLEDGE = ("public", "trained", "none")
+
+
+def _freeze(value):
+  """dicts -> sorted tuples of pairs, lists -> tuples: hashable, order-independent."""
+  if isinstance(value, dict):
+    return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  return value
+
+
+def _thaw(value):
+  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 and
+                                      isinstance(p[0], str) for p in value) and value:
+    return {k: _thaw(v) for k, v in value}
+  if isinstance(value, tuple):
+    return [_thaw(v) for v in value]
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """T: the system under test."""
+  model_id: str                 # checkpoint content hash (or a name for HF dirs)
+  cut: int                      # k
+  defense: str = "none"
+  defense_params: tuple = ()    # frozen dict of the defense's public parameters
+  n_layer: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Attacker:
+  """V: where the attacker sits and what it may do."""
+  position: str = "passive_server"
+  rights: tuple[str, ...] = ("observe",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observations:
+  """O: what crosses the boundary and is stored in the capture."""
+  activations: bool = True
+  gradients: bool = False
+  logits: bool = False
+  row_norms: bool = False
+  metadata: bool = True
+
+  def available(self) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Knowledge:
+  """K: the client weights the attacker holds."""
+  weights: str = "public"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+  """B: calibration size, candidates, beam width, steps, FLOPs."""
+  calibration_size: int = 32
+  candidates: int = 32
+  beam_width: int = 2
+  c_a: int = 16
+  c_g: int = 16
+  ridge_alpha: float = 1e-3
+  flops: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpora:
+  """C: the corpus and its splits' content hashes."""
+  name: str = "wikitext2"
+  seq_len: int = 32
+  split_hashes: tuple = ()      # frozen dict split -> sha256
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+  """M: what is measured."""
+  names: tuple[str, ...] = ("token_recovery", "exact_document_recovery")
+
+
+@dataclasses.dataclass(frozen=True)
+class Controls:
+  """G: controls, uncertainty and decision rules."""
+  policy: str = "scorecard-policy.v3"
+  seeds: tuple[int, ...] = (0,)
+  controls: tuple[str, ...] = ("shuffled_gradients", "random_candidates")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProtocolTuple:
+  T: Target
+  V: Attacker
+  O: Observations
+  K: Knowledge
+  B: Budgets
+  C: Corpora
+  M: Metrics
+  G: Controls
+
+  def __post_init__(self):
+    if self.V.position not in POSITIONS:
+      raise ValueError(f"attacker position {self.V.position!r} not in {POSITIONS}")
+    if self.K.weights not in KNOWLEDGE:
+      raise ValueError(f"knowledge {self.K.weights!r} not in {KNOWLEDGE}")
+
+  def to_dict(self) -> dict[str, Any]:
+    out = {"schema": SCHEMA}
+    for f in dataclasses.fields(self):
+      component = getattr(self, f.name)
+      out[f.name] = {g.name: _thaw(getattr(component, g.name))
+                     for g in dataclasses.fields(component)}
+    return out
+
+  def canonical_json(self) -> str:
+    return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+  def sha256(self) -> str:
+    return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+  def replace(self, **components) -> "ProtocolTuple":
+    return dataclasses.replace(self, **components)
+
+  @classmethod
+  def from_dict(cls, data: dict[str, Any]) -> "ProtocolTuple":
+    if data.get("schema") != SCHEMA:
+      raise ValueError(f"protocol tuple schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, component_type in zip(types, (Target, Attacker, Observations, Knowledge,
+                                            Budgets, Corpora, Metrics, Controls)):
+      kwargs[name] = component_type(**{k: _freeze(v) for k, v in data[name].items()})
+    return cls(**kwargs)
+
+
+def make(**components) -> ProtocolTuple:
+  """A tuple with defaults for every component not given; dict values are frozen."""
+  defaults = dict(T=None, V=Attacker(), O=Observations(), K=Knowledge(), B=Budgets(),
+                  C=Corpora(), M=Metrics(), G=Controls())
+  defaults.update(components)
+  if defaults["T"] is None:
+    raise ValueError("a protocol tuple needs a target T")
+  return ProtocolTuple(**defaults)
+
+
+def frozen(mapping: dict) -> tuple:
+  """A dict as a frozen, canonically ordered tuple of pairs (for *_params fields)."""
+  return _freeze(mapping)
