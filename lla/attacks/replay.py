@@ -25,6 +25,7 @@ from lla.attacks.workspace import Workspace, document_mesh
 from lla.capture import store
 from lla.evidence import files, rundir
 from lla.protocol import tuple as protocol
+from lla.scoring.policy import load_policy
 from lla.scoring.records import AttackRecord
 
 
@@ -60,8 +61,27 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget, seed: in
                          candidates=int(budget.candidates), beam_width=int(budget.beam_width),
                          c_a=int(budget.c_a), c_g=int(budget.c_g),
                          ridge_alpha=float(budget.ridge_alpha)),
-      G=dataclasses.replace(captured.G, seeds=(int(seed),)))
+      G=dataclasses.replace(captured.G, seeds=(int(seed),),
+                            policy_sha256=load_policy(captured.G.policy).sha256))
   return e.to_dict()
+
+
+def _register_protocol(run_dir: str, e: dict) -> str:
+  """Adds E to a study directory, or creates / checks a single-protocol run directory."""
+  protocol_path = os.path.join(run_dir, rundir.PROTOCOL)
+  if rundir.is_study(run_dir):
+    return rundir.add_protocol(run_dir, e)
+  if os.path.exists(protocol_path):
+    if files.read_json(protocol_path) != e:
+      raise ValueError(f"{protocol_path}: this run directory belongs to another protocol tuple; "
+                       "use a new --workdir")
+    return rundir.e_hash(e)
+  return rundir.create(run_dir, e)
+
+
+def file_name(run_id: str) -> str:
+  """A run_id as a file name: 'k6/public/m0/joint' -> 'k6__public__m0__joint'."""
+  return run_id.replace("/", "__")
 
 
 def _finished(run_dir: str, name: str) -> AttackRecord | None:
@@ -96,7 +116,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
   Args:
-    run_dir: run directory (created, or resumed if its protocol.json matches).
+    run_dir: run directory (created, or resumed if its protocol.json matches), or a study
+      directory (`rundir.create_study`) that collects several protocol tuples.
     attacks: registered attack names.
     budget: candidates, beam_width, c_a, c_g, ridge_alpha, shuffle_seed.
     seed: the attack seed (random-candidate control).
@@ -118,15 +139,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
                      f"d={capture.activations.shape[-1]}")
 
   e = replay_protocol(capture, attacker, budget, seed)
-  protocol_path = os.path.join(run_dir, rundir.PROTOCOL)
-  if os.path.exists(protocol_path):
-    if files.read_json(protocol_path) != e:
-      raise ValueError(f"{protocol_path}: this run directory belongs to another protocol tuple; "
-                       "use a new --workdir")
-    e_hash = rundir.e_hash(e)
-  else:
-    e_hash = rundir.create(run_dir, e)
-
+  e_hash = _register_protocol(run_dir, e)
   ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,
                  int(target_meta["cut"]), np.asarray(attacker.calibration_tokens, np.int32),
                  ridge_alpha=float(budget.ridge_alpha), memory_budget_bytes=memory_budget_bytes,
@@ -141,7 +154,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       reference=reference, seed=int(seed), provenance=provenance())
   records = []
   for spec in specs:
-    done = _finished(run_dir, spec.name)
+    done = _finished(run_dir, file_name(run_prefix + spec.name))
     if done is not None:
       logging.info("replay: %s already finished (%s), reused", spec.name, done.prediction_sha256[:12])
       records.append(done)
@@ -163,17 +176,18 @@ def _run_one(run_dir, ws, spec, budget, seed, run_prefix, common) -> AttackRecor
         scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
         budget=budget_used, flops=None, flops_source=None, wall_s=time.perf_counter() - start,
         **common)
-    rundir.save_record(run_dir, spec.name, record)
+    rundir.save_record(run_dir, file_name(record.run_id), record)
     return record
   wall = time.perf_counter() - start
-  rel, sha = rundir.save_predictions(run_dir, spec.name, result.predictions)
+  rel, sha = rundir.save_predictions(run_dir, file_name(run_prefix + spec.name),
+                                     result.predictions)
   record = AttackRecord(
       run_id=run_prefix + spec.name, attack=spec.name, family=spec.family, status="ok",
       error=None, prediction_file=rel, prediction_sha256=sha,
       scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
       budget={**budget_used, "flops_analytic": result.flops_analytic}, flops=result.flops,
       flops_source=result.flops_source, wall_s=wall, **common)
-  rundir.save_record(run_dir, spec.name, record)
+  rundir.save_record(run_dir, file_name(record.run_id), record)
   logging.info("replay: %s done in %.1fs, %.3g FLOPs (%s)", spec.name, wall, result.flops,
                result.flops_source)
   return record

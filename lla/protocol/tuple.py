@@ -8,9 +8,9 @@ component are a controlled contrast, and a record names the E it belongs to.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import Any
+
+from lla.evidence import files
 
 SCHEMA = "lla.protocol.v1"
 POSITIONS = ("passive_server", "eavesdropper", "active_server")
@@ -101,6 +101,7 @@ class Metrics:
 class Controls:
   """G: controls, uncertainty and decision rules."""
   policy: str = "scorecard-policy.v3"
+  policy_sha256: str = ""       # sha256 of the policy file, fixed before the run
   seeds: tuple[int, ...] = (0,)
   controls: tuple[str, ...] = ("shuffled_gradients", "random_candidates")
 
@@ -130,11 +131,11 @@ class ProtocolTuple:
                      for g in dataclasses.fields(component)}
     return out
 
-  def canonical_json(self) -> str:
-    return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+  def canonical_json(self) -> bytes:
+    return files.canonical_json(self.to_dict())
 
   def sha256(self) -> str:
-    return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+    return files.sha256_bytes(self.canonical_json())
 
   def replace(self, **components) -> "ProtocolTuple":
     return dataclasses.replace(self, **components)

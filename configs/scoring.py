@@ -1,0 +1,53 @@
+r"""Scoring configuration: policy, declared threat space, secondary contrasts.
+
+Score, re-score and verify a run directory:
+
+  python -m experiments.rescore --workdir=runs/k6_public --config=configs/scoring.py
+  python -m experiments.verify --workdir=runs/k6_public
+  python -m experiments.validate_measurement --workdir=/tmp/validation
+"""
+
+import ml_collections
+
+from lla.scoring import coverage
+
+
+def get_config(arg=None):
+  """Returns the scoring config; `arg` is unused (kept for the CLI syntax)."""
+  del arg
+  c = ml_collections.ConfigDict()
+  # Policy name under lla/scoring/policies/ (or a path to a .json policy).
+  c.policy = "scorecard-policy.v3"
+  # Declared threat space: the coverage report classifies every cell of
+  # families x observations x knowledge x defenses.
+  c.threat_space = ml_collections.ConfigDict()
+  # Attack families (the `family` of registry entries and records).
+  c.threat_space.families = ("ridge", "beam_inversion", "gradient_heuristic",
+                             "gradient_matching", "embedding_inversion",
+                             "decoy_structural", "decoy_content")
+  # Observation sets, '+'-joined and sorted, as a module declares them.
+  c.threat_space.observations = ("activations", "gradients",
+                                 "activations+gradients")
+  # Attacker knowledge of the client weights (PROTOCOL section 1).
+  c.threat_space.knowledge = ("public", "trained")
+  # Defenses, "none" being the undefended reference.
+  c.threat_space.defenses = ("none", "secret_mixup", "decoy_rows",
+                             "gradient_clip_noise")
+  # Cells excluded on purpose: {axis: value, ..., "reason": why}; a missing
+  # axis matches every value.
+  c.threat_space.out_of_scope = (
+      {"family": "ridge", "observation": "gradients",
+       "reason": "ridge inversion reads activations only"},
+      {"family": "gradient_heuristic", "observation": "activations",
+       "reason": "the heuristic reads gradients only"},
+  )
+  # Threat classes outside the grid, listed as unmeasured until measured.
+  c.threat_space.declared_unmeasured = coverage.PROTOCOL_DECLARED_UNMEASURED
+  # Secondary (treatment, control) contrasts at the primary test's cut and
+  # knowledge, Bonferroni-corrected together.
+  c.secondary = (("shuffled_gradients", "activation"),
+                 ("random_candidates", "activation"),
+                 ("joint", "shuffled_gradients"))
+  # verify: also check each capture's manifest (needs the capture on disk).
+  c.check_capture = True
+  return c

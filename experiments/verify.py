@@ -1,0 +1,31 @@
+r"""Verifies every hash of a run directory and names what changed.
+
+  python -m experiments.verify --workdir=runs/k6_public
+
+Exits non-zero if any file changed, is missing or extra, the log chain is
+broken, or a record's prediction, protocol or capture hash does not match.
+"""
+
+from absl import app
+from absl import flags
+
+from lla.evidence import rundir
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.",
+                               required=True)
+_CHECK_CAPTURE = flags.DEFINE_bool("check_capture", True,
+                                   "Also verify each capture's manifest.")
+
+
+def main(argv):
+  del argv
+  problems = rundir.verify(_WORKDIR.value, _CHECK_CAPTURE.value)
+  for p in problems:
+    print(f"FAIL {p}")
+  if problems:
+    raise SystemExit(f"{_WORKDIR.value}: {len(problems)} problem(s)")
+  print(f"OK {_WORKDIR.value}: every hash verifies")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,63 @@
+"""Qualification matrix: how far each attack module itself is trusted.
+
+Kept apart from attack results: qualification never enters a gate. Each module
+gets, per kind, a status and the evidence (a test id or a run id) it rests on;
+capabilities a module declares but no evidence exercises are listed as
+untested.
+"""
+
+KINDS = ("reference_consistency", "adaptation", "real_model", "synthetic")
+KIND_TITLES = {
+    "reference_consistency": "token-for-token agreement with a reference",
+    "adaptation": "adapted to the defense it is run against",
+    "real_model": "qualified on a real model",
+    "synthetic": "qualified on synthetic known-answer data",
+}
+STATUSES = ("pass", "partial", "fail")
+NOT_QUALIFIED = "not qualified"
+
+
+def matrix(modules: list[dict], evidence: list[dict]) -> dict:
+  """Builds the per-module qualification matrix.
+
+  Args:
+    modules: registry entries {"name", "capabilities": [...] (optional)}.
+    evidence: items {"module", "kind" in KINDS, "status" in STATUSES,
+      "evidence": test id or run id, "capability" (optional), "detail"
+      (optional)}.
+  Returns:
+    module name -> {kind: {"status", "evidence": [...]},
+    "untested_capabilities": [...]}; a kind's status is its worst evidence
+    ("fail" < "partial" < "pass"), or "not qualified" without evidence.
+  """
+  names = [m["name"] for m in modules]
+  if len(set(names)) != len(names):
+    raise ValueError(f"duplicate module names in {names}")
+  out = {}
+  for m in modules:
+    out[m["name"]] = {k: {"status": NOT_QUALIFIED, "evidence": []}
+                      for k in KINDS}
+  tested = {n: set() for n in names}
+  for i, e in enumerate(evidence):
+    where = f"qualification evidence #{i} ({e.get('evidence')!r})"
+    if e.get("module") not in out:
+      raise ValueError(f"{where}: unknown module {e.get('module')!r}")
+    if e.get("kind") not in KINDS or e.get("status") not in STATUSES:
+      raise ValueError(f"{where}: kind must be in {KINDS} and status in "
+                       f"{STATUSES}, got {e.get('kind')!r}/{e.get('status')!r}")
+    if not e.get("evidence"):
+      raise ValueError(f"{where}: names no test id or run")
+    cell = out[e["module"]][e["kind"]]
+    cell["evidence"].append({k: e[k] for k in ("evidence", "status", "detail",
+                                               "capability") if k in e})
+    cell["evidence"].sort(key=lambda x: x["evidence"])
+    present = {x["status"] for x in cell["evidence"]}
+    cell["status"] = next(s for s in ("fail", "partial", "pass")
+                          if s in present)
+    if "capability" in e:
+      tested[e["module"]].add(e["capability"])
+  for m in modules:
+    caps = m.get("capabilities", [])
+    out[m["name"]]["untested_capabilities"] = sorted(
+        set(caps) - tested[m["name"]])
+  return out

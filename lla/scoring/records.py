@@ -1,0 +1,131 @@
+"""`AttackRecord`: one attack run, schema `lla.attack_record.v1`.
+
+The field list is the contract of docs/run_format.md; `from_json` rejects
+missing, unknown or mistyped fields with an error naming the file, because a
+silently defaulted field would change how a run is scored.
+"""
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from lla.evidence import files
+
+SCHEMA = "lla.attack_record.v1"
+STATUSES = ("ok", "crashed", "skipped")
+SCORED_POSITIONS = ("all", "t>=1")
+KNOWLEDGE = ("public", "trained", "none")
+UNDEFENDED = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttackRecord:
+  """One attack run; see docs/run_format.md for the meaning of each field."""
+  run_id: str
+  attack: str
+  family: str
+  status: str
+  error: str | None
+  e_hash: str
+  capture_dir: str
+  capture_sha256: str
+  truth_file: str
+  prediction_file: str | None
+  prediction_sha256: str | None
+  scored_positions: str
+  baseline_token: int
+  model_id: str
+  model_seed: int
+  cut: int
+  knowledge: str
+  corpus: str
+  defense: str
+  defense_params: dict
+  reference: str | None
+  seed: int
+  budget: dict
+  flops: float | None
+  flops_source: str | None
+  wall_s: float | None
+  provenance: dict
+  schema: str = SCHEMA
+
+  def __post_init__(self):
+    where = f"record {self.run_id!r}"
+    if self.schema != SCHEMA:
+      raise ValueError(f"{where}: schema {self.schema!r}, expected {SCHEMA!r}")
+    if self.status not in STATUSES:
+      raise ValueError(f"{where}: status {self.status!r} not in {STATUSES}")
+    if self.scored_positions not in SCORED_POSITIONS:
+      raise ValueError(f"{where}: scored_positions {self.scored_positions!r} "
+                       f"not in {SCORED_POSITIONS}")
+    if self.knowledge not in KNOWLEDGE:
+      raise ValueError(f"{where}: knowledge {self.knowledge!r} not in "
+                       f"{KNOWLEDGE}")
+    if self.status == "ok" and not self.prediction_file:
+      raise ValueError(f"{where}: status 'ok' needs a prediction_file")
+    if self.status != "ok" and not self.error:
+      raise ValueError(f"{where}: status {self.status!r} needs an error "
+                       "message saying why")
+
+  @property
+  def measured(self) -> bool:
+    return self.status == "ok"
+
+  @property
+  def defended(self) -> bool:
+    return self.defense != UNDEFENDED
+
+  def to_json(self) -> bytes:
+    """Canonical JSON bytes (sorted keys), stable for hashing."""
+    return files.canonical_json(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, data: bytes | str | dict,
+                source: str = "<json>") -> "AttackRecord":
+    """Parses and type-checks a record; `source` names it in errors."""
+    if isinstance(data, (bytes, str)):
+      try:
+        data = json.loads(data)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+      raise ValueError(f"{source}: a record is a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = sorted(n for n, f in fields.items() if n not in data and
+                     f.default is dataclasses.MISSING)
+    unknown = sorted(set(data) - set(fields))
+    if missing or unknown:
+      raise ValueError(f"{source}: missing fields {missing}, unknown fields "
+                       f"{unknown}")
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+      if not _type_ok(value, hints[name]):
+        raise ValueError(f"{source}: field {name!r} = {value!r} is not "
+                         f"{hints[name]}")
+    try:
+      return cls(**data)
+    except ValueError as e:
+      raise ValueError(f"{source}: {e}") from None
+
+  @classmethod
+  def load(cls, path: str) -> "AttackRecord":
+    with open(path, "rb") as f:
+      return cls.from_json(f.read(), source=path)
+
+  def save(self, path: str, overwrite: bool = False) -> None:
+    files.atomic_write_bytes(path, self.to_json(), overwrite=overwrite)
+
+
+def _type_ok(value: Any, hint) -> bool:
+  if isinstance(hint, types.UnionType):
+    return any(_type_ok(value, h) for h in typing.get_args(hint))
+  if hint is type(None):
+    return value is None
+  if hint is float:  # JSON does not distinguish 3 from 3.0.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, hint)

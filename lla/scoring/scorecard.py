@@ -1,0 +1,421 @@
+"""The scorecard of a run directory: JSON (schema `lla.scorecard.v1`) + Markdown.
+
+`build(run_dir, ...)` recomputes every number from the predictions and the
+ground truth; the JSON is canonical (sorted keys, no timestamps, no absolute
+paths), so re-scoring an unchanged run reproduces it byte for byte. The
+declared inputs that are not in the run directory (threat space, module
+registry, qualification evidence, secondary contrasts) are embedded under
+"inputs", so `rescore` can rebuild from the scorecard's own inputs.
+"""
+
+import collections
+import os
+
+import numpy as np
+
+from lla.evidence import files
+from lla.evidence import rundir
+from lla.scoring import bootstrap
+from lla.scoring import coverage as coverage_lib
+from lla.scoring import gates
+from lla.scoring import metrics
+from lla.scoring import policy as policy_lib
+from lla.scoring import qualification as qualification_lib
+
+SCHEMA = "lla.scorecard.v1"
+
+
+def score_records(run_dir: str, records) -> tuple[list[gates.Scored], dict]:
+  """Counts for every measured record; per-document hits for the bootstrap.
+
+  Returns:
+    (scored, per_doc) with per_doc[run_id] = [B] int hits per document.
+  Raises:
+    ValueError naming the file when a prediction's hash or shape is wrong.
+  """
+  truths, scored, per_doc = {}, [], {}
+  for r in records:
+    if r.status != "ok":
+      scored.append(gates.Scored(r, None))
+      continue
+    pred_path = rundir.resolve(run_dir, r.prediction_file)
+    if files.sha256_file(pred_path) != r.prediction_sha256:
+      raise ValueError(f"{pred_path}: sha256 differs from record "
+                       f"{r.run_id!r}; run verify")
+    truth_path = rundir.resolve(run_dir, r.truth_file)
+    if truth_path not in truths:
+      truths[truth_path] = rundir.load_truth(truth_path)
+    truth, pred = truths[truth_path], rundir.load_predictions(pred_path)
+    if pred.shape != truth.shape:
+      raise ValueError(f"{pred_path}: shape {pred.shape} != truth "
+                       f"{truth.shape} ({truth_path})")
+    scored.append(gates.Scored(r, metrics.count(
+        pred, truth, r.baseline_token, r.scored_positions)))
+    per_doc[r.run_id] = metrics.per_document_hits(pred, truth,
+                                                  r.scored_positions)
+  return scored, per_doc
+
+
+def difference_matrix(scored, per_doc, treatment: str, control: str, cut: int,
+                      knowledge: str, corpus: str) -> tuple[np.ndarray, float]:
+  """D [M, N] integer hit differences and the scale to percentage points.
+
+  Rows are models (model_seed), columns documents; an entry sums
+  treatment - control hits over the attack seeds run for both on that model.
+  Every model needs the same number of paired seeds, so the scale
+  100 / (seeds * scored positions) turns the mean of D into pp.
+  """
+  rows = collections.defaultdict(dict)
+  positions = set()
+  for s in scored:
+    r = s.record
+    if (s.counts is None or r.defense != "none" or r.cut != cut or
+        r.knowledge != knowledge or r.corpus != corpus or
+        r.scored_positions != "all" or r.attack not in (treatment, control)):
+      continue
+    key = (r.attack, r.seed)
+    if key in rows[r.model_seed]:
+      raise ValueError(f"two records for {r.attack} seed {r.seed} on model "
+                       f"seed {r.model_seed}: {r.run_id}")
+    rows[r.model_seed][key] = per_doc[r.run_id]
+    positions.add(s.counts.n // s.counts.docs)
+  mats, n_pairs = [], set()
+  for model in sorted(rows):
+    seeds = sorted({sd for a, sd in rows[model] if a == treatment} &
+                   {sd for a, sd in rows[model] if a == control})
+    if not seeds:
+      raise ValueError(f"model seed {model}: no attack seed has both "
+                       f"{treatment} and {control}")
+    n_pairs.add(len(seeds))
+    mats.append(sum(rows[model][(treatment, sd)] - rows[model][(control, sd)]
+                    for sd in seeds))
+  if not mats:
+    raise ValueError(f"no measured {treatment}/{control} records at cut {cut}, "
+                     f"{knowledge}, {corpus}")
+  if len(n_pairs) != 1 or len(positions) != 1:
+    raise ValueError(f"models have unequal paired seeds {sorted(n_pairs)} or "
+                     f"positions {sorted(positions)}")
+  if len({m.shape for m in mats}) != 1:
+    raise ValueError("models were evaluated on different document counts")
+  return np.stack(mats).astype(np.float64), 100.0 / (
+      n_pairs.pop() * positions.pop())
+
+
+def _contrasts(scored, per_doc, pol, secondary) -> dict:
+  test = bootstrap.PrimaryTest.from_policy(pol.primary_test,
+                                           pol.bootstrap["confidence"])
+  reps, seed = pol.bootstrap["replicates"], pol.bootstrap["seed"]
+  corpora = sorted({s.record.corpus for s in scored if s.counts is not None and
+                    s.record.cut == test.cut and
+                    s.record.knowledge == test.knowledge and
+                    s.record.attack in (test.treatment, test.control)})
+  primary, secondaries = [], []
+  for corpus in corpora:
+    try:
+      d, scale = difference_matrix(scored, per_doc, test.treatment,
+                                   test.control, test.cut, test.knowledge,
+                                   corpus)
+    except ValueError as e:
+      primary.append({"corpus": corpus, "evaluated": False, "reason": str(e)})
+      continue
+    res = bootstrap.evaluate_primary(test, d, reps, seed, scale)
+    primary.append(dict(res, corpus=corpus, evaluated=True,
+                        models=d.shape[0], documents=d.shape[1]))
+    mats, skipped = {}, []
+    for t, c in secondary:
+      try:
+        mats[f"{t}-{c}"] = difference_matrix(scored, per_doc, t, c, test.cut,
+                                             test.knowledge, corpus)
+      except ValueError as e:
+        skipped.append({"contrast": f"{t}-{c}", "reason": str(e)})
+    level = 1 - (1 - test.confidence) / max(len(secondary), 1)
+    for name, (dm, sc) in sorted(mats.items()):
+      secondaries.append(dict(bootstrap.interval(dm, level, reps, seed, sc),
+                              contrast=name, corpus=corpus,
+                              bonferroni_k=len(secondary)))
+    secondaries += [dict(s, corpus=corpus, evaluated=False) for s in skipped]
+  if not corpora:
+    primary.append({"evaluated": False, "reason":
+                    f"no measured {test.treatment}/{test.control} records at "
+                    f"cut {test.cut}, {test.knowledge} knowledge"})
+  return {"test": dict(vars(test)), "primary": primary,
+          "secondary": secondaries}
+
+
+def build(run_dir: str, policy: policy_lib.Policy | None = None,
+          threat_space: coverage_lib.ThreatSpace | None = None,
+          modules: list[dict] | None = None,
+          qualification_evidence: list[dict] | None = None,
+          secondary: list[tuple[str, str]] = (),
+          contrasts: bool = True) -> dict:
+  """Scores a run directory. This is the function the main job calls.
+
+  Args:
+    run_dir: a run directory (docs/run_format.md) with protocol.json,
+      records/, predictions/ and a log.
+    policy: the policy to apply (default scorecard-policy.v3).
+    threat_space: the declared threat space for the coverage report.
+    modules: attack registry entries {"name", "family", "observations",
+      "capabilities"} (for coverage and qualification).
+    qualification_evidence: see `qualification.matrix`.
+    secondary: (treatment, control) secondary contrasts, Bonferroni-corrected.
+    contrasts: False skips the bootstrap (gates only; recorded in "inputs").
+  Returns:
+    The scorecard as a JSON-ready dict (schema lla.scorecard.v1).
+  """
+  pol = policy or policy_lib.load_policy()
+  protocol = files.read_json(os.path.join(run_dir, rundir.PROTOCOL))
+  records = rundir.load_records(run_dir)
+  scored, per_doc = score_records(run_dir, records)
+  flags = policy_lib.check(pol, policy_lib.recorded_policy_hash(protocol),
+                           rundir.run_started(run_dir))
+  rows = []
+  for s in scored:
+    r = s.record
+    row = {k: getattr(r, k) for k in (
+        "run_id", "attack", "family", "status", "error", "defense", "cut",
+        "knowledge", "corpus", "model_seed", "seed", "scored_positions",
+        "flops", "flops_source", "wall_s")}
+    row["metrics"] = metrics.summarize(s.counts, pol.wilson_z) if s.counts else None
+    rows.append(row)
+  groups = collections.defaultdict(list)
+  for s in scored:
+    groups[gates.config_key(s.record)].append(s)
+  configs, gate_list = [], []
+  for key in sorted(groups):
+    g = groups[key]
+    if g[0].record.defense == "none":
+      measured = [s for s in g if s.counts is not None]
+      pooled = gates.pool(measured, pol.wilson_z)
+      configs.append({"config": {f: getattr(g[0].record, f)
+                                 for f in gates.CONFIG_FIELDS},
+                      "pooled": pooled,
+                      "envelope": metrics.envelope(pooled) if pooled else None,
+                      "unmeasured": sorted(s.record.run_id for s in g
+                                           if s.counts is None)})
+    else:
+      gate_list.append(gates.gate(g, scored, pol, flags))
+  known = [r for r in (s.record for s in scored) if r.flops is not None]
+  cov = (coverage_lib.report(records, threat_space, modules or [],
+                             pol.seed_fields, pol.min_seeds)
+         if threat_space else None)
+  return {
+      "schema": SCHEMA,
+      "e_hash": rundir.e_hash(protocol),
+      "policy": dict(policy_lib.summary(pol), flags=flags),
+      "unmeasured_share": cov["unmeasured_share"] if cov else None,
+      "coverage": cov,
+      "rows": rows,
+      "undefended": configs,
+      "gates": gate_list,
+      "contrasts": (_contrasts(scored, per_doc, pol, list(secondary))
+                    if contrasts else None),
+      "cost": {"flops_total": sum(r.flops for r in known),
+               "flops_unknown": sorted(r.run_id for r in records
+                                       if r.flops is None),
+               "wall_s_total": sum(r.wall_s or 0.0 for r in records)},
+      "qualification": (qualification_lib.matrix(
+          modules or [], qualification_evidence or [])
+                        if qualification_evidence is not None else None),
+      "inputs": {
+          "threat_space": _space_json(threat_space),
+          "modules": modules,
+          "qualification_evidence": qualification_evidence,
+          "secondary": [list(p) for p in secondary],
+          "contrasts": contrasts,
+      },
+  }
+
+
+def _space_json(space):
+  if space is None:
+    return None
+  return {"families": list(space.families),
+          "observations": list(space.observations),
+          "knowledge": list(space.knowledge), "defenses": list(space.defenses),
+          "out_of_scope": list(space.out_of_scope),
+          "declared_unmeasured": [list(x) for x in space.declared_unmeasured]}
+
+
+def space_from_json(d: dict | None) -> coverage_lib.ThreatSpace | None:
+  if d is None:
+    return None
+  return coverage_lib.ThreatSpace(
+      tuple(d["families"]), tuple(d["observations"]), tuple(d["knowledge"]),
+      tuple(d["defenses"]), tuple(d["out_of_scope"]),
+      tuple(tuple(x) for x in d["declared_unmeasured"]))
+
+
+def build_from_inputs(run_dir: str, inputs: dict,
+                      policy: policy_lib.Policy | None = None) -> dict:
+  """Rebuilds a scorecard from the "inputs" section of an earlier one."""
+  return build(run_dir, policy, space_from_json(inputs.get("threat_space")),
+               inputs.get("modules"), inputs.get("qualification_evidence"),
+               [tuple(p) for p in inputs.get("secondary", [])],
+               inputs.get("contrasts", True))
+
+
+def to_bytes(card: dict) -> bytes:
+  return files.canonical_json(card)
+
+
+def write(run_dir: str, card: dict, overwrite: bool = False) -> None:
+  """Writes scorecard.json and scorecard.md atomically."""
+  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_JSON),
+                           to_bytes(card), overwrite)
+  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_MD),
+                           markdown(card).encode("utf-8"), overwrite)
+
+
+def diff(a, b, path: str = "") -> list[str]:
+  """JSON paths where two scorecards differ (first 50)."""
+  out = []
+  if isinstance(a, dict) and isinstance(b, dict):
+    for k in sorted(set(a) | set(b)):
+      if k not in a or k not in b:
+        out.append(f"{path}/{k}: only in {'new' if k in b else 'old'}")
+      else:
+        out += diff(a[k], b[k], f"{path}/{k}")
+  elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+    for i, (x, y) in enumerate(zip(a, b)):
+      out += diff(x, y, f"{path}/{i}")
+  elif a != b:
+    out.append(f"{path or '/'}: {a!r} != {b!r}"[:300])
+  return out[:50]
+
+
+def _pct(x):
+  return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def _pp(x):
+  return "n/a" if x is None else f"{x:+.3f}"
+
+
+def markdown(card: dict) -> str:
+  """Human-readable rendering of a scorecard dict (derived from the JSON)."""
+  pol, cov = card["policy"], card["coverage"]
+  out = [f"# Scorecard `{card['e_hash'][:16]}`", ""]
+  if cov:
+    c = cov["counts"]
+    out.append(f"**Unmeasured share of the declared threat space: "
+               f"{c['unmeasured']}/{cov['in_scope']} in-scope cells "
+               f"({100 * cov['unmeasured_share']:.1f}%)**; partial "
+               f"{c['partial']}, covered {c['covered']}, out of scope "
+               f"{c['out of scope']}; plus {len(cov['declared_unmeasured'])} "
+               "declared-unmeasured threat classes.")
+  else:
+    out.append("**Unmeasured share: no threat space declared.**")
+  out += ["", f"Policy `{pol['policy_id']}` sha256 `{pol['sha256'][:16]}...`, "
+          f"threshold {pol['threshold_pp']} pp, z = {pol['wilson_z']}, "
+          f"min seeds {pol['min_seeds']} ({', '.join(pol['seed_fields'])})."]
+  out += [f"- FLAG: {f}" for f in pol["flags"]]
+  out += ["", "## Gates", "", "| defense | cut | knowledge | corpus | decision "
+          "| envelope pp | floor pp | seeds | reasons |", "|---" * 9 + "|"]
+  for g in card["gates"]:
+    c, e = g["config"], g["envelope"] or {}
+    params = f" {c['defense_params']}" if c["defense_params"] else ""
+    out.append(f"| {c['defense']}{params} | {c['cut']} | "
+               f"{c['knowledge']} | {c['corpus']} | **{g['decision']}** | "
+               f"{_pp(e.get('envelope_pp'))} | {_pp(e.get('floor_pp'))} | "
+               f"{g['n_seeds']} | {'; '.join(g['reasons'])} |")
+  for g in card["gates"]:
+    c = g["config"]
+    out += ["", f"### {c['defense']} (cut {c['cut']}, {c['knowledge']}, "
+            f"{c['corpus']})", "", f"Sensitivity: {g['sensitivity']['line']}.",
+            "Per-seed envelopes: " + ", ".join(
+                f"{p['seed']}: {p['envelope_pp']:+.3f} pp"
+                for p in g["per_seed"])]
+    for l in g["links"]:
+      out.append(f"- {l['run_id']}: {l['kind']} -> "
+                 f"{', '.join(l['references']) or 'none'}"
+                 + (f" ({'; '.join(l['problems'])})" if l["problems"] else ""))
+    for fam, pc in g["positive_controls"].items():
+      out.append(f"- positive control {fam}: max excess "
+                 f"{_pp(pc['max_excess_pp'])} pp, {'ok' if pc['ok'] else 'missing'}")
+  out += ["", "## Attacks", "", "| run | status | defense | positions | token "
+          "rec. | exact doc | baseline p0 | n | U (Wilson) | excess pp | "
+          "floor pp | FLOPs | wall s |", "|---" * 13 + "|"]
+  for r in card["rows"]:
+    m = r["metrics"]
+    if m is None:
+      cells = ["unmeasured: " + str(r["error"])] + ["-"] * 6
+    else:
+      cells = [_pct(m["token_recovery"]), _pct(m["exact_doc_recovery"]),
+               _pct(m["baseline_p0"]), str(m["n"]), _pct(m["wilson_upper"]),
+               _pp(m["excess_pp"]), _pp(m["floor_pp"])]
+    flops = "n/a" if r["flops"] is None else f"{r['flops']:.3g} ({r['flops_source']})"
+    wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
+    out.append(f"| {r['run_id']} | {r['status']} | {r['defense']} | "
+               f"{r['scored_positions']} | " + " | ".join(cells) +
+               f" | {flops} | {wall} |")
+  out += ["", "## Undefended envelopes", ""]
+  for u in card["undefended"]:
+    c, e = u["config"], u["envelope"]
+    env = (f"{e['envelope_pp']:+.3f} pp ({e['argmax']}), floor "
+           f"{e['floor_pp']:+.3f} pp" if e else "no measured attack")
+    out.append(f"- cut {c['cut']}, {c['knowledge']}, {c['corpus']}: {env}")
+  ct = card["contrasts"] or {"primary": [], "secondary": []}
+  out += ["", "## Bootstrap contrasts", ""]
+  if card["contrasts"] is None:
+    out.append("- not computed for this scorecard")
+  for p in ct["primary"] + ct["secondary"]:
+    name = p.get("name") or p.get("contrast")
+    if p.get("evaluated", True):
+      out.append(f"- {name} ({p['corpus']}): {p['estimate']:+.3f} pp, "
+                 f"{100 * p['confidence']:.2f}% CI [{p['lo']:+.3f}, "
+                 f"{p['hi']:+.3f}]" + (f", passed={p['passed']}"
+                                       if "passed" in p else ""))
+    else:
+      out.append(f"- {name or 'primary'}: not evaluated ({p['reason']})")
+  cost = card["cost"]
+  out += ["", f"Total FLOPs {cost['flops_total']:.3g} (unknown for "
+          f"{len(cost['flops_unknown'])} runs), wall time "
+          f"{cost['wall_s_total']:.1f} s."]
+  if cov:
+    out += ["", "## Coverage", "", "| family | observation | knowledge | "
+            "defense | status | reason |", "|---" * 6 + "|"]
+    out += [f"| {c['family']} | {c['observation']} | {c['knowledge']} | "
+            f"{c['defense']} | {c['status']} | {c['reason']} |"
+            for c in cov["cells"]]
+    out += ["", "Declared unmeasured: " + "; ".join(
+        d["class"] for d in cov["declared_unmeasured"])]
+  if card["qualification"] is not None:
+    out += ["", "## Qualification (separate from attack results)", "",
+            "| module | " + " | ".join(qualification_lib.KINDS) +
+            " | untested |", "|---" * (len(qualification_lib.KINDS) + 2) + "|"]
+    for name, q in sorted(card["qualification"].items()):
+      out.append(f"| {name} | " + " | ".join(
+          q[k]["status"] for k in qualification_lib.KINDS) +
+                 f" | {', '.join(q['untested_capabilities']) or '-'} |")
+  return "\n".join(out) + "\n"
+
+
+def threat_space_from_config(cfg) -> coverage_lib.ThreatSpace:
+  """ThreatSpace from a configs/scoring.py `threat_space` ConfigDict."""
+  t = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+  return coverage_lib.ThreatSpace(
+      tuple(t["families"]), tuple(t["observations"]), tuple(t["knowledge"]),
+      tuple(t["defenses"]), tuple(dict(r) for r in t["out_of_scope"]),
+      tuple(tuple(x) for x in t["declared_unmeasured"]))
+
+
+def score_run(run_dir: str, cfg, modules: list[dict] | None = None,
+              qualification_evidence: list[dict] | None = None,
+              overwrite: bool = False) -> dict:
+  """Builds and writes scorecard.json / scorecard.md for a finished run.
+
+  The main job calls this after the last record, then `rundir.finalize`.
+
+  Args:
+    run_dir: the run directory.
+    cfg: configs/scoring.py config (policy, threat_space, secondary).
+    modules: attack registry entries as dicts.
+    qualification_evidence: see `qualification.matrix`.
+    overwrite: replace an existing scorecard (otherwise FileExistsError).
+  """
+  card = build(run_dir, policy_lib.load_policy(cfg.policy),
+               threat_space_from_config(cfg.threat_space), modules,
+               qualification_evidence, [tuple(p) for p in cfg.secondary])
+  write(run_dir, card, overwrite)
+  return card

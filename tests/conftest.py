@@ -1,0 +1,25 @@
+"""Shared pytest fixtures."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+  """The data directory: $LLA_DATA_DIR, else the repository's sibling `../shared/data`.
+
+  Missing data is an error, not a skip: a green run must have seen the data.
+  """
+  from_env = os.environ.get("LLA_DATA_DIR")
+  path = Path(from_env) if from_env else _REPO_ROOT.parent / "shared" / "data"
+  if not path.is_dir():
+    pytest.fail(
+        f"Test data not found at {path} (from {'$LLA_DATA_DIR' if from_env else 'the default <repo>/../shared/data'}). "
+        "Set LLA_DATA_DIR to a directory holding wikitext-2/ and gpt2-tokenizer/.",
+        pytrace=False,
+    )
+  return path

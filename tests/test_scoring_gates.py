@@ -1,0 +1,106 @@
+"""Gate decisions, reference links and sensitivity on synthetic runs."""
+
+import dataclasses
+
+import pytest
+
+from lla.scoring import gates
+from lla.scoring import metrics
+from lla.scoring import policy as policy_lib
+from lla.scoring import scorecard
+from lla.scoring import synthetic as syn
+
+POL = policy_lib.load_policy()
+
+
+@pytest.fixture(scope="module")
+def cap(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("cap"))
+  syn.make_capture(d, syn.truth_tokens(docs=64))
+  return d
+
+
+def _gate(tmp_path, cap, specs):
+  run = str(tmp_path / "run")
+  syn.make_run(run, cap, specs, POL.sha256)
+  (g,) = scorecard.build(run, POL)["gates"]
+  return g
+
+
+@pytest.mark.parametrize("args,decision", [
+    ((0.99, 0.5, 3, True), gates.PASS),
+    ((1.0, 0.5, 3, True), gates.PASS),
+    ((1.5, 0.5, 3, True), gates.FAIL),
+    ((1.5, 0.5, 2, True), gates.INSUFFICIENT),
+    ((0.5, 0.5, 3, False), gates.INSUFFICIENT),
+    ((0.5, 1.01, 3, True), gates.INSUFFICIENT),
+    ((None, None, 0, True), gates.INSUFFICIENT),
+])
+def test_decide_rule(args, decision):
+  assert gates.decide(*args, POL)[0] == decision
+
+
+def test_policy_flags_withhold_pass_only():
+  assert gates.decide(0.5, 0.5, 3, True, POL, ["late"]) == (
+      gates.INSUFFICIENT, ["PASS withheld: late"])
+  assert gates.decide(2.0, 0.5, 3, True, POL, ["late"])[0] == gates.FAIL
+
+
+def test_leaking_defense_fails_with_pooled_and_per_seed_numbers(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m),
+              syn.Spec("activation", "beam_inversion", 4 + m, m,
+                       defense="mixup")]
+  g = _gate(tmp_path, cap, specs)
+  truth = syn.truth_tokens(docs=64)
+  b = int((truth == 0).sum())
+  pooled = metrics.excess_pp((4 + 5 + 6) * 64, 3 * 2048, b / 2048)
+  assert g["decision"] == gates.FAIL
+  assert g["envelope"]["envelope_pp"] == pytest.approx(pooled, abs=1e-12)
+  per_seed = [metrics.excess_pp((4 + m) * 64, 2048, b / 2048) for m in range(3)]
+  assert [p["envelope_pp"] for p in g["per_seed"]] == pytest.approx(per_seed)
+  assert all(l["kind"] == "implicit (family match)" for l in g["links"])
+
+
+def test_explicit_reference_mismatch_is_rejected(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m,
+                       corpus="other"),
+              syn.Spec("activation", "beam_inversion", 0, m, defense="mixup",
+                       reference=f"k6/public/none/m{m}/s0/activation")]
+  g = _gate(tmp_path, cap, specs)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert all(l["kind"] == "explicit" and not l["references"] and
+             any("corpus 'other' != 'synthetic'" in p for p in l["problems"])
+             for l in g["links"])
+
+
+def test_sensitivity_reports_weak_alternative(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m),
+              syn.Spec("ridge_like", "beam_inversion", 0, m),
+              syn.Spec("activation", "beam_inversion", 0, m, defense="mixup")]
+  g = _gate(tmp_path, cap, specs)
+  assert g["decision"] == gates.PASS
+  alts = {a["reference"]: a["decision"] for a in g["sensitivity"]["alternatives"]}
+  assert alts == {"activation": gates.PASS, "ridge_like": gates.INSUFFICIENT}
+  assert g["sensitivity"]["decision_changes"]
+  assert "ridge_like" in g["sensitivity"]["line"]
+
+
+def test_positive_control_only_counts_measured_families(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("grad", "gradient_heuristic", 30, m),
+              syn.Spec("activation", "beam_inversion", 0, m),
+              syn.Spec("activation", "beam_inversion", 0, m, defense="mixup"),
+              dataclasses.replace(syn.Spec("grad", "gradient_heuristic", 0, m,
+                                           defense="mixup"), status="crashed")]
+  g = _gate(tmp_path, cap, specs)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert set(g["positive_controls"]) == {"beam_inversion"}
+  assert any("no positive control" in r for r in g["reasons"])
+  assert any("unmeasured" in r for r in g["reasons"])
