@@ -39,7 +39,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.budget.shuffle_seed = 17  # Derangement of the shuffled-gradient control.
   config.seed = 0  # Attack seed (random-candidate control).
   config.model_seed = 0  # Which fine-tuned target this capture came from (for the bootstrap).
-  config.reference = ""  # run_id of the linked undefended reference run (defended captures).
+  # Defended captures: run_id prefix of the linked undefended reference run; each attack
+  # links prefix + its name.
+  config.reference_prefix = ""
   config.run_prefix = ""  # Prefix of each record's run_id.
   config.memory_budget_mb = 2048  # Per-chunk working set; documents are chunked to fit.
   return config

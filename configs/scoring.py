@@ -31,8 +31,9 @@ def get_config(arg=None):
   # Attacker knowledge of the client weights (PROTOCOL section 1).
   c.threat_space.knowledge = ("public", "trained")
   # Defenses, "none" being the undefended reference.
-  c.threat_space.defenses = ("none", "secret_mixup", "decoy_rows",
-                             "gradient_clip_noise")
+  c.threat_space.defenses = ("none", "gaussian", "topk", "quantize", "mixup",
+                             "projection", "gradient_clip_noise", "nopeek",
+                             "decoy_rows")
   # Cells excluded on purpose: {axis: value, ..., "reason": why}; a missing
   # axis matches every value.
   c.threat_space.out_of_scope = (

@@ -101,6 +101,11 @@ def specs() -> list[AttackSpec]:
   return [get(n).spec for n in names()]
 
 
+def module_entries() -> list[dict[str, Any]]:
+  """Every registered attack as the scoring layer's module entry (coverage, qualification)."""
+  return [{**s.to_dict(), "observations": list(s.requires)} for s in specs()]
+
+
 def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], knowledge: str,
                      capture_name: str = "capture") -> None:
   """Raises IncompatibleCaptureError naming what the capture or attacker lacks."""

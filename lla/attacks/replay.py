@@ -111,7 +111,7 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
 
 def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str],
            budget: ml_collections.ConfigDict, seed: int, *, run_prefix: str = "",
-           reference: str | None = None, model_seed: int = 0,
+           reference_prefix: str | None = None, model_seed: int = 0,
            memory_budget_bytes: int = 2 << 30, mesh="auto") -> list[AttackRecord]:
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
@@ -122,7 +122,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     budget: candidates, beam_width, c_a, c_g, ridge_alpha, shuffle_seed.
     seed: the attack seed (random-candidate control).
     run_prefix: prefix of each record's run_id (e.g. "k6/public/model0/").
-    reference: run_id of the linked undefended reference run, for defended captures.
+    reference_prefix: for defended captures, the run_id prefix of the linked undefended
+      reference: each attack links `reference_prefix + attack`.
     mesh: a document mesh, None for one device, or "auto" (every local device).
   """
   capture = store.load_capture(capture_dir)
@@ -151,7 +152,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       model_id=str(target_meta["model_id"]), model_seed=int(model_seed), cut=ws.cut,
       knowledge=attacker.knowledge, corpus=capture.metadata["protocol"]["C"]["name"],
       defense=str(target_meta["defense"]), defense_params=dict(target_meta["defense_params"] or {}),
-      reference=reference, seed=int(seed), provenance=provenance())
+      seed=int(seed), provenance=provenance())
   records = []
   for spec in specs:
     done = _finished(run_dir, file_name(run_prefix + spec.name))
@@ -159,7 +160,9 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       logging.info("replay: %s already finished (%s), reused", spec.name, done.prediction_sha256[:12])
       records.append(done)
       continue
-    records.append(_run_one(run_dir, ws, spec, budget, seed, run_prefix, common))
+    reference = None if reference_prefix is None else reference_prefix + spec.name
+    records.append(_run_one(run_dir, ws, spec, budget, seed, run_prefix,
+                            {**common, "reference": reference}))
   return records
 
 

@@ -26,5 +26,5 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
                              calibration_tokens(config.calibration), config.knowledge)
   return replay.replay(workdir, config.capture_dir, attacker, attacks, config.budget,
                        int(config.seed), run_prefix=config.run_prefix,
-                       reference=config.reference or None, model_seed=int(config.model_seed),
+                       reference_prefix=config.reference_prefix or None, model_seed=int(config.model_seed),
                        memory_budget_bytes=int(config.memory_budget_mb) << 20)

@@ -168,3 +168,13 @@ def load_truth(directory: str | os.PathLike) -> np.ndarray:
     return load_file(str(path))["tokens"]
   except (SafetensorError, OSError, KeyError) as e:
     raise CaptureError(f"{path}: cannot read ground truth ({e})") from None
+
+
+def reuse_or_write(directory: str | os.PathLike, write) -> str:
+  """A finished capture is verified and reused; otherwise `write(str(directory))` makes it.
+
+  Returns the manifest sha256 either way.
+  """
+  if pathlib.Path(directory).exists():
+    return verify(directory)
+  return write(str(directory))

@@ -1,0 +1,90 @@
+"""The main job: pre-training -> fine-tuning -> captures -> attacks -> defenses -> decoy
+split -> scoring -> report, in one resumable run directory.
+
+  python -m experiments.main_table --config=configs/main_table.py:cpu --workdir=runs/main
+
+Variants (`:ARG`):
+  cpu    the README default: the embedded small GPT-2 (pre-trained here once, cached),
+         3 fine-tuned models, k in {3, 6}, public knowledge at both cuts and trained at k=6,
+         128 evaluation documents; sized for 2 CPU cores.
+  paper  GPT-2 124M from --config.model.hf_dir (or the hub), 10 models x 2 attack seeds,
+         k in {3, 6}, public and trained, 256 evaluation documents: for a GPU or TPU.
+  tiny   a 4-layer model and a handful of documents: the end-to-end test (minutes).
+"""
+
+import ml_collections
+
+from configs import decoy_leak, finetune, models, pretrain, scoring
+from lla import data
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  variant = arg or "cpu"
+  if variant not in ("cpu", "paper", "tiny"):
+    raise ValueError(f"unknown variant {variant!r}: cpu, paper or tiny")
+  tiny, paper = variant == "tiny", variant == "paper"
+  model_name = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny"}[variant]
+  config = ml_collections.ConfigDict()
+  config.variant = variant  # Recorded in the report.
+  # Pre-training of the base (configs/pretrain.py); skipped when model.hub/hf_dir is given.
+  config.pretrain = pretrain.get_config("tiny" if tiny else "embedded")
+  config.pretrain.num_steps = 20 if tiny else 400  # CPU budget of the one-time pre-training.
+  # The base model: architecture and, for `paper`, where its weights are.
+  config.model = models.get_config(model_name)
+  config.model.checkpoint = ""  # Filled by the pre-training phase (workdir/pretrain).
+  # The protocol's corpus splits: T = 32, calibration / training / evaluation documents.
+  config.data = data.get_config()
+  config.data.n_eval = 256 if paper else (8 if tiny else 128)
+  config.data.n_calibration = 32 if not tiny else 16
+  config.data.n_train = 128 if not tiny else 16
+  # Fine-tuning of the targets (configs/finetune.py); k and train_client_layers are set per
+  # experiment, num_models seeds each.
+  config.finetune = finetune.get_config("tiny" if tiny else model_name)
+  config.finetune.num_models = 10 if paper else 3
+  config.finetune.num_epochs = 1 if tiny else 4
+  config.cuts = (3, 6) if not tiny else (1, 2)  # Depths k.
+  # (cut, knowledge) pairs; "trained" fine-tunes the client layers and the attacker holds
+  # the pre-trained ones.
+  config.settings = ((3, "public"), (6, "public"), (3, "trained"), (6, "trained")) \
+      if paper else (((1, "public"), (2, "public"), (2, "trained")) if tiny
+                     else ((3, "public"), (6, "public"), (6, "trained")))
+  config.attack_seeds = (0, 1) if paper else (0,)  # Seeds of the random-candidate control.
+  # Every core attack and control; the FLOP-matched activation-only run beside the joint one.
+  config.attacks = ("ridge", "activation", "activation_flop_matched", "joint", "gradient_only",
+                    "gradient_only_t1", "shuffled_gradients", "random_candidates")
+  # At settings other than the primary (k = 6 public), the cheaper subset.
+  config.secondary_attacks = ("ridge", "activation", "joint", "gradient_only")
+  config.primary_cut = 2 if tiny else 6  # The pre-registered primary test's cut.
+  config.budget = ml_collections.ConfigDict()
+  config.budget.candidates = 32  # C.
+  config.budget.beam_width = 2  # W.
+  config.budget.c_a = 16  # Joint: activation candidates.
+  config.budget.c_g = 16  # Joint: gradient candidates.
+  config.budget.ridge_alpha = 1e-3  # Ridge strength.
+  config.budget.shuffle_seed = 17  # Derangement seed of the shuffled-gradient control.
+  config.capture_batch_size = 32  # Documents per training batch at capture (g's loss).
+  # Corpus study: ridge inversion alone on each corpus against its frequency baseline.
+  config.corpus_study = ml_collections.ConfigDict()
+  # WikiText-2's row is the main table's ridge run at this cut (public client layers are
+  # the base model's), so only the other corpora get captures of their own.
+  config.corpus_study.corpora = ("clinical", "code")
+  config.corpus_study.cut = 2 if tiny else 6  # Inference captures of the base model.
+  config.corpus_study.n_eval = 8 if tiny else 128  # Documents per corpus.
+  # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
+  # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
+  config.defense_cut = 2 if tiny else 6
+  config.defense_docs = 8 if tiny else 64  # Evaluation documents per defended capture.
+  config.defense_attacks = ("activation", "joint")
+  config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
+      ("gaussian", "sigma", (0.3,) if tiny else (0.1, 0.3, 1.0, 3.0)),
+      ("topk", "sparsity", (0.75,) if tiny else (0.5, 0.75, 0.9)),
+      ("quantize", "bits", (2,) if tiny else (8, 4, 2)),
+      ("mixup", "m", (2,) if tiny else (2, 4)),
+      ("projection", "enabled", (True,)),
+      ("gradient_clip_noise", "clip_norm", (0.01,) if tiny else (0.1, 0.01)),
+  )
+  # The decoy-row training split (PROTOCOL section 7), small variant.
+  config.decoy = decoy_leak.get_config("tiny" if not paper else "cpu")
+  config.scoring = scoring.get_config()
+  config.memory_budget_mb = 1024 if not paper else 16384  # Per-chunk attack working set.
+  return config

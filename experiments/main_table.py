@@ -1,0 +1,26 @@
+"""The main job: one command from a fresh machine to the tables, figures and a verifiable run.
+
+  python -m experiments.main_table --config=configs/main_table.py:cpu --workdir=runs/main
+
+Killed at any point and started again with the same --workdir, it reuses every finished
+artifact (verified by hash); on a finished run it re-renders the report.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from lla.study import main_table
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
+                                          "Main-table config.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/main", "Run directory (resumed if it exists).")
+
+
+def main(argv):
+  del argv
+  report = main_table.run(_CONFIG.value, _WORKDIR.value)
+  print(f"report: {report}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,11 @@
+"""Defenses at the cut: registry (`base`), mechanisms, defended training loss and utility.
+
+Importing this package registers every mechanism: `names()` lists them, `make(name, ...)`
+builds one, `apply(defense, x, key)` applies it to h (or g).
+"""
+
+from lla.defenses.activations import (GaussianNoise, Quantize, SecretMixup, SecretProjection,
+                                      TopK, clip_rows, quantize_rows, random_projection)
+from lla.defenses.base import Defense, apply, get, make, names, seed_hash
+from lla.defenses.gradients import GradientClipNoise, guard_gradient
+from lla.defenses.nopeek import NoPeek, distance_correlation

@@ -1,0 +1,99 @@
+"""Utility cost of a defense: held-out cross-entropy and perplexity, with bootstrap intervals.
+
+Inference applies only forward ("activations") defenses; a "gradients" or "training"
+defense costs utility through the weights it was fine-tuned with, so compare its
+fine-tuned checkpoint (`params`) with the undefended one (`reference_params`).
+A document's CE is the mean over its T - 1 next-token positions of CE(logits[b, t],
+x[b, t+1]) against **its own** tokens: for mixup, what the client gets back for its own
+document from the mixed message (the mixed-label loss is the training objective, not
+what the client wants predicted).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lla.defenses.base import Defense, apply
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "defense"))
+def document_cross_entropy(params, cfg: GPT2Config, tokens: jax.Array, k: int,
+                           defense: Defense | None, key: jax.Array) -> jax.Array:
+  """Per-document mean next-token CE [B] of the split model, tokens [B, T]."""
+  h = split.client(params, cfg, tokens, k)
+  if defense is not None and defense.acts_on == "activations":
+    h = apply(defense, h, key)
+  _, logits = split.server_loss(params, cfg, h, tokens, k)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+  return ce.mean(axis=1)
+
+
+def corpus_cross_entropy(params, cfg: GPT2Config, tokens, k: int, defense: Defense | None,
+                         key: jax.Array, batch_size: int = 32) -> np.ndarray:
+  """Per-document CE [N] over tokens [N, T] in batches; batch i uses fold_in(key, i).
+
+  Mixup mixes within a batch, so every batch needs at least m documents.
+  """
+  tokens = np.asarray(tokens)
+  out = [document_cross_entropy(params, cfg, jnp.asarray(tokens[i:i + batch_size]), k,
+                                defense, jax.random.fold_in(key, i // batch_size))
+         for i in range(0, len(tokens), batch_size)]
+  return np.concatenate([np.asarray(x, np.float64) for x in out])
+
+
+def _summary(samples: np.ndarray, point: float, level: float) -> dict:
+  tail = 100 * (1 - level) / 2
+  lo, hi = np.percentile(samples, [tail, 100 - tail])
+  return {"value": float(point), "ci": [float(lo), float(hi)]}
+
+
+def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense, key: jax.Array,
+                    *, reference_params=None, batch_size: int = 32, n_boot: int = 10_000,
+                    seed: int = 0, level: float = 0.95) -> dict:
+  """Held-out CE and perplexity under `defense` against the undefended model.
+
+  Args:
+    params: the defended target's weights.
+    tokens: [N, T] held-out documents.
+    key: key of the inference-time defense randomness (noise, mixup).
+    reference_params: the undefended model's weights; None means the same `params` with
+      the defense removed (the pure inference-time cost of a forward defense).
+    n_boot, seed, level: percentile bootstrap over documents (numpy PCG64 seeded with
+      `seed`); the defended and reference CE are resampled together (paired), so the
+      interval of their difference reflects document-level variability only.
+
+  Returns:
+    a JSON-ready dict: per-arm mean CE and perplexity (exp of mean CE) with intervals,
+    the CE increase in nats and the perplexity ratio with intervals, the bootstrap
+    settings and the defense's public record.
+  """
+  reference_params = params if reference_params is None else reference_params
+  defended = corpus_cross_entropy(params, cfg, tokens, k, defense, key, batch_size)
+  reference = corpus_cross_entropy(reference_params, cfg, tokens, k, None, key, batch_size)
+  n_docs = len(defended)
+  resample = np.random.Generator(np.random.PCG64(seed)).integers(0, n_docs, (n_boot, n_docs))
+  boot_defended = defended[resample].mean(axis=1)
+  boot_reference = reference[resample].mean(axis=1)
+
+  def arm(ce, boot):
+    return {"cross_entropy": _summary(boot, ce.mean(), level),
+            "perplexity": _summary(np.exp(boot), np.exp(ce.mean()), level)}
+
+  delta = defended.mean() - reference.mean()
+  return {
+      "n_documents": n_docs,
+      "defense": defense.to_record(),
+      "defended": arm(defended, boot_defended),
+      "undefended": arm(reference, boot_reference),
+      "cross_entropy_increase": _summary(boot_defended - boot_reference, delta, level),
+      "perplexity_ratio": _summary(np.exp(boot_defended - boot_reference), np.exp(delta), level),
+      "bootstrap": {"n_boot": n_boot, "seed": seed, "level": level, "unit": "document",
+                    "paired": True},
+  }

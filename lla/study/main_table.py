@@ -1,0 +1,176 @@
+"""The main job: from a base model to a scored, verifiable study directory and a report.
+
+Layout of `workdir`:
+
+    pretrain/checkpoint            the base model (cached)
+    finetune/k{k}_{knowledge}/     fine-tuned targets, one per model seed (cached)
+    captures/<name>/               boundary messages of each target (cached, hash-verified)
+    study/                         the run directory of every attack record (lla.evidence)
+    report/                        report.md and its figures
+
+Every phase reuses finished artifacts: checkpoints and captures are verified by hash, and
+replay skips attacks whose predictions and records are already in the study. A finished
+(sealed) study is verified and only its report is rendered again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import time
+
+import ml_collections
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from lla import data
+from lla.attacks import registry, replay
+from lla.capture import capture, store
+from lla.evidence import files, manifest, rundir
+from lla.scoring import scorecard
+from lla.scoring.policy import load_policy
+from lla.study import defense_sweep
+from lla.train import finetune as finetune_lib
+from lla.train import pretrain as pretrain_lib
+from lla.train.checkpoint import params_sha256
+
+STUDY, CAPTURES, REPORT = "study", "captures", "report"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """One fine-tuned target and the attacker that faces it."""
+
+  cut: int
+  knowledge: str
+  model_seed: int
+  params: dict
+  cfg: object
+  model_id: str
+  attacker_params: dict
+
+  @property
+  def name(self) -> str:
+    return f"k{self.cut}_{self.knowledge}_m{self.model_seed}"
+
+
+def _phase(name: str) -> None:
+  logging.info("== phase: %s", name)
+  tqdm.write(f"[main_table] phase: {name}")
+
+
+def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path):
+  """(params, cfg, provenance) of the base: pre-trained here, or loaded (paper)."""
+  from lla.train import models
+  model = config.model
+  if not (model.hf_dir or model.hub or model.checkpoint):
+    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain")
+    model = ml_collections.ConfigDict(model.to_dict())
+    model.checkpoint = str(checkpoint.path)
+  return models.load_base(model)
+
+
+def fine_tuned_targets(config, workdir: pathlib.Path, splits, base) -> list[Target]:
+  targets = []
+  base_params, _, _ = base
+  for cut, knowledge in config.settings:
+    ft = ml_collections.ConfigDict(config.finetune.to_dict())
+    ft.k, ft.train_client_layers = int(cut), knowledge == "trained"
+    ft.data = config.data
+    checkpoints = finetune_lib.finetune(ft, workdir / "finetune" / f"k{cut}_{knowledge}",
+                                        splits=splits, base=base)
+    for seed, checkpoint in zip(finetune_lib.seeds(ft), checkpoints):
+      # Public: the attacker holds the target's exact client layers; trained: only the base.
+      attacker = checkpoint.params if knowledge == "public" else base_params
+      targets.append(Target(int(cut), knowledge, seed, checkpoint.params, checkpoint.cfg,
+                            checkpoint.sha256, attacker))
+  return targets
+
+
+def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits) -> dict:
+  hashes = {name: p.sha256 for name, p in splits.items()}
+  out = {}
+  for target in tqdm(targets, desc="captures", unit="capture"):
+    directory = workdir / CAPTURES / target.name
+    store.reuse_or_write(directory, lambda d, t=target: capture.capture_target(
+        d, t.params, t.cfg, splits.evaluation.tokens, splits.evaluation.document_ids, t.cut,
+        model_id=t.model_id, corpus=splits.corpus, split_hashes=hashes, training=True,
+        batch_size=int(config.capture_batch_size)))
+    out[target.name] = directory
+  return out
+
+
+def attack_targets(config, study: pathlib.Path, targets: list[Target], captures: dict,
+                   calibration: np.ndarray) -> None:
+  jobs = [(t, s) for t in targets for s in config.attack_seeds]
+  for target, seed in tqdm(jobs, desc="attacks", unit="replay"):
+    primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
+    attacks = list(config.attacks if primary else config.secondary_attacks)
+    attacker = replay.Attacker(target.attacker_params, target.cfg, params_sha256(
+        target.attacker_params), calibration, target.knowledge)
+    replay.replay(str(study), str(captures[target.name]), attacker, attacks, config.budget,
+                  int(seed), run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
+                  memory_budget_bytes=int(config.memory_budget_mb) << 20)
+
+
+def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base) -> None:
+  """Ridge inversion alone on each corpus, k = corpus_study.cut, the base model."""
+  params, cfg, provenance = base
+  cut = int(config.corpus_study.cut)
+  for corpus in tqdm(config.corpus_study.corpora, desc="corpus study", unit="corpus"):
+    splits = data.load_splits(**{**config.data.to_dict(), "corpus": corpus,
+                                 "n_eval": int(config.corpus_study.n_eval)})
+    directory = workdir / CAPTURES / f"corpus_{corpus}_k{cut}"
+    store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
+        d, params, cfg, s.evaluation.tokens, s.evaluation.document_ids, cut,
+        model_id=provenance["params_sha256"], corpus=s.corpus,
+        split_hashes={n: p.sha256 for n, p in s.items()}, training=False))
+    attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
+                               splits.calibration.tokens, "public")
+    replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
+                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
+  """Runs (or resumes) the whole main job; returns the report's path."""
+  from lla.study import report
+  workdir = pathlib.Path(workdir)
+  study = workdir / STUDY
+  start = time.time()
+  if (study / manifest.MANIFEST_NAME).exists():
+    problems = rundir.verify(str(study))
+    if problems:
+      raise ValueError(f"{study}: finished study fails verification: " + "; ".join(problems))
+    _phase("report (study already finished and verified)")
+    return report.render(config, workdir)
+
+  _phase("pretrain / base model")
+  base = base_model(config, workdir)
+  splits = data.load_splits(**config.data.to_dict())
+  _phase("fine-tune")
+  targets = fine_tuned_targets(config, workdir, splits, base)
+  if not study.exists():
+    policy = load_policy(config.scoring.policy)
+    rundir.create_study(str(study), {"G": {"policy": policy.policy_id,
+                                           "policy_sha256": policy.sha256},
+                                     "config": config.to_dict()})
+  _phase("captures")
+  captures = capture_targets(config, workdir, targets, splits)
+  _phase("attacks")
+  attack_targets(config, study, targets, captures, splits.calibration.tokens)
+  _phase("corpus study")
+  corpus_study(config, workdir, study, base)
+  _phase("defenses")
+  defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits)
+  _phase("scoring")
+  # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
+  scorecard.score_run(str(study), config.scoring, modules=registry.module_entries(),
+                      overwrite=True)
+  rundir.finalize(str(study))
+  logging.info("main table finished in %.0f s", time.time() - start)
+  files.atomic_write_json(str(workdir / "timing.json"), {"wall_s": time.time() - start},
+                          overwrite=True)
+  _phase("report")
+  return report.render(config, workdir)

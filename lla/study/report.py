@@ -1,0 +1,138 @@
+"""report.md of a main-table study: every number read from the study's scorecard.json.
+
+The report is a view: it computes nothing that the scorecard does not hold, so
+`experiments/rescore.py` re-derives every number in it from predictions and ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from lla.scoring import scorecard  # noqa: E402
+from lla.study import seed_figures  # noqa: E402
+
+REPORT_FILE = "report.md"
+
+
+def _pct(x) -> str:
+  return "—" if x is None else f"{100 * x:.2f}%"
+
+
+def _pp(x) -> str:
+  return "—" if x is None else f"{x:+.2f}"
+
+
+def _main_rows(card: dict) -> list[tuple[dict, str, dict]]:
+  """(config, attack, pooled metrics) of the undefended WikiText-2 settings."""
+  rows = []
+  for group in card["undefended"]:
+    if group["config"]["corpus"].startswith("wikitext"):
+      for attack, metrics in sorted(group["pooled"].items()):
+        rows.append((group["config"], attack, metrics))
+  return sorted(rows, key=lambda r: (-r[0]["cut"], r[0]["knowledge"], r[1]))
+
+
+def main_table(card: dict) -> list[str]:
+  lines = ["| k | knowledge | attack | token rec. | exact doc | baseline p0 | n | U95 | "
+           "excess pp | seed figure (GPT-2 124M) |", "|" + "---|" * 10]
+  for config, attack, m in _main_rows(card):
+    seed = seed_figures.TOKEN_RECOVERY.get(attack) if (
+        config["cut"] == 6 and config["knowledge"] == "public") else None
+    lines.append(
+        f"| {config['cut']} | {config['knowledge']} | {attack} | {_pct(m['token_recovery'])} | "
+        f"{_pct(m['exact_doc_recovery'])} | {_pct(m['baseline_p0'])} | {m['n']} | "
+        f"{_pct(m['wilson_upper'])} | {_pp(m['excess_pp'])} | {_pct(seed)} |")
+  return lines
+
+
+def corpus_table(card: dict, cut: int) -> list[str]:
+  lines = ["| corpus | k | ridge token rec. | frequency baseline | exact doc | n | "
+           "seed figure (rec. / baseline) |", "|" + "---|" * 7]
+  for group in card["undefended"]:
+    ridge = group["pooled"].get("ridge")
+    corpus = group["config"]["corpus"]
+    if (ridge is None or group["config"]["knowledge"] != "public"
+        or group["config"]["cut"] != cut or group["config"]["defense"] != "none"):
+      continue
+    seed = seed_figures.CORPUS_STUDY.get(corpus)
+    seed_text = "—" if seed is None else f"{_pct(seed[0])} / {_pct(seed[1])}"
+    lines.append(f"| {corpus} | {group['config']['cut']} | {_pct(ridge['token_recovery'])} | "
+                 f"{_pct(ridge['baseline_p0'])} | {_pct(ridge['exact_doc_recovery'])} | "
+                 f"{ridge['n']} | {seed_text} |")
+  return lines
+
+
+def contrasts(card: dict) -> list[str]:
+  lines = []
+  test = card["contrasts"]["test"]
+  for entry in card["contrasts"]["primary"]:
+    if not entry.get("evaluated"):
+      lines.append(f"- primary ({test['name']}): not evaluated: {entry.get('reason')}")
+      continue
+    lines.append(f"- primary ({test['name']}, corpus {entry.get('corpus')}): "
+                 f"{json.dumps({k: v for k, v in entry.items() if k != 'evaluated'}, sort_keys=True)}")
+  for entry in card["contrasts"]["secondary"]:
+    lines.append(f"- secondary (Bonferroni): {json.dumps(entry, sort_keys=True)}")
+  return lines or ["- none evaluated"]
+
+
+def recovery_figure(card: dict, path: pathlib.Path) -> None:
+  """Exact-document against token recovery, one point per (setting, attack)."""
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for config, attack, m in _main_rows(card):
+    ax.scatter(100 * m["token_recovery"], 100 * m["exact_doc_recovery"], s=18)
+    ax.annotate(f"{attack} k{config['cut']} {config['knowledge'][0]}",
+                (100 * m["token_recovery"], 100 * m["exact_doc_recovery"]), fontsize=6)
+  ax.set_xlabel("token recovery (%)")
+  ax.set_ylabel("exact document recovery (%)")
+  ax.set_title("Average token scores hide exactly recovered documents")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def cost_table(card: dict) -> list[str]:
+  lines = ["| run | FLOPs | source | wall s |", "|---|---|---|---|"]
+  for row in card["rows"]:
+    flops = "—" if row["flops"] is None else f"{row['flops']:.3g}"
+    wall = "—" if row["wall_s"] is None else f"{row['wall_s']:.1f}"
+    lines.append(f"| {row['run_id']} | {flops} | {row['flops_source']} | {wall} |")
+  return lines
+
+
+def render(config, workdir) -> pathlib.Path:
+  """Writes workdir/report/report.md (+ PNGs) from workdir/study/scorecard.json."""
+  workdir = pathlib.Path(workdir)
+  card = json.loads((workdir / "study" / "scorecard.json").read_text())
+  out = workdir / "report"
+  out.mkdir(exist_ok=True)
+  recovery_figure(card, out / "recovery.png")
+  timing = workdir / "timing.json"
+  wall = json.loads(timing.read_text())["wall_s"] if timing.exists() else None
+  scorecard_md = scorecard.markdown(card)
+  lines = [
+      f"# lla main table ({config.variant})", "",
+      f"**Unmeasured share of the declared threat space: {100 * card['unmeasured_share']:.1f}%** "
+      "(coverage report below).", "",
+      f"Target: {config.model.name}, cuts {list(config.cuts)}, {config.finetune.num_models} "
+      f"fine-tuned models, {config.data.n_eval} evaluation documents of T = {config.data.seq_len}. "
+      f"Scorecard `{card['e_hash'][:16]}`; wall time "
+      f"{'—' if wall is None else f'{wall / 60:.1f} min'}.", "",
+      "## Main table (pooled over models and attack seeds)", "", *main_table(card), "",
+      seed_figures.WHY_DIFFERENT, "",
+      "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
+      "## Corpus study: ridge inversion alone", "", *corpus_table(card, int(config.corpus_study.cut)), "",
+      "## Exact-document against token recovery", "", "![recovery](recovery.png)", "",
+      "## FLOPs and wall time per attack run", "", *cost_table(card), "",
+      "## Scorecard (gates, coverage, qualification)", "", scorecard_md,
+  ]
+  path = out / REPORT_FILE
+  path.write_text("\n".join(lines) + "\n")
+  return path
