@@ -1,0 +1,139 @@
+"""The split's incremental and reduced-precision paths against the full-sequence client.
+
+`client` itself is checked against transformers in test_model_parity; here the KV-cached
+`client_step` (the beam search's workhorse), its vmapped forms, the bf16 switch and the
+cut validation are checked against it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lla.model import split
+from lla.model.gpt2 import GPT2Config, init_params
+
+CFG = GPT2Config(vocab_size=83, n_positions=20, n_embd=48, n_head=4, n_layer=4)
+K = 3
+B, T = 3, 12
+
+
+def assert_close(actual, reference, rtol, what=""):
+  """max |actual - reference| <= rtol * max |reference|."""
+  actual, reference = np.asarray(actual, np.float64), np.asarray(reference, np.float64)
+  assert actual.shape == reference.shape, (what, actual.shape, reference.shape)
+  err, scale = np.max(np.abs(actual - reference)), np.max(np.abs(reference))
+  assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+def random_params(cfg: GPT2Config, seed: int) -> dict:
+  """Random parameters with every LayerNorm and bias away from Flax's (1, 0) and 0.
+
+  Drawn with numpy into `init_params`'s structure (eval_shape, no compile): eager Flax
+  init costs seconds even for a tiny model.
+  """
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    noise = rng.standard_normal(leaf.shape).astype(np.float32)
+    name = path[-1].key
+    return jnp.asarray({"scale": 1 + 0.1 * noise, "bias": 0.1 * noise}.get(name, 0.02 * noise))
+
+  shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return random_params(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+
+
+step = jax.jit(split.client_step, static_argnums=1)
+
+
+def prefix_cache(params, tokens_1d, t):
+  """The cache of one sequence after positions 0..t-1."""
+  cache = split.init_cache(CFG, K, T)
+  for i in range(t):
+    _, cache = step(params, CFG, cache, tokens_1d[i], i)
+  return cache
+
+
+def test_client_step_every_position(params, tokens):
+  want = split.client(params, CFG, tokens, K)
+  cache = split.init_cache(CFG, K, T)
+  for t in range(T):
+    h_t, cache = step(params, CFG, cache, tokens[0, t], t)
+    assert_close(h_t, want[0, t], 1e-5, f"position {t}")
+
+
+def test_client_step_vmapped_over_documents(params, tokens):
+  want = split.client(params, CFG, tokens, K)
+  batched = jax.jit(jax.vmap(split.client_step, in_axes=(None, None, 0, 0, None)),
+                    static_argnums=1)
+  cache = jnp.stack([split.init_cache(CFG, K, T)] * B)
+  for t in range(T):
+    h_t, cache = batched(params, CFG, cache, tokens[:, t], t)
+    assert_close(h_t, want[:, t], 1e-5, f"position {t}")
+
+
+def test_client_step_vmapped_over_candidates(params, tokens):
+  """One shared prefix cache, many candidate tokens at position t (the beam search step)."""
+  t, candidates = 5, jnp.arange(0, CFG.vocab_size, 7)
+  cache = prefix_cache(params, tokens[0], t)
+  sequences = jnp.concatenate(
+      [jnp.broadcast_to(tokens[0, :t], (len(candidates), t)), candidates[:, None]], axis=1)
+  want = split.client(params, CFG, sequences, K)[:, t]
+
+  over_candidates = functools.partial(jax.vmap, in_axes=(None, None, None, 0, None))
+  h_kv, kv = jax.jit(over_candidates(split.client_step_kv), static_argnums=1)(
+      params, CFG, cache, candidates, t)
+  assert_close(h_kv, want, 1e-5, "client_step_kv")
+  h, caches = jax.jit(over_candidates(split.client_step), static_argnums=1)(
+      params, CFG, cache, candidates, t)
+  assert_close(h, want, 1e-5, "client_step")
+  # Committing a survivor's row must give the cache that stepping it in directly gives (whose
+  # use at later positions test_client_step_vmapped_over_documents checks).
+  committed = jax.vmap(split.write_cache, in_axes=(None, 0, None))(cache, kv, t)
+  np.testing.assert_array_equal(committed, caches)
+
+
+def test_client_step_beams_times_candidates(params, tokens):
+  """Nested vmap: documents' caches (axis 0) x candidate tokens, as in batched beam search."""
+  t, candidates = 4, jnp.array([1, 10, 40, 82])
+  caches = jnp.stack([prefix_cache(params, tokens[b], t) for b in range(B)])
+  fn = jax.vmap(jax.vmap(split.client_step_kv, in_axes=(None, None, None, 0, None)),
+                in_axes=(None, None, 0, None, None))
+  h, _ = jax.jit(fn, static_argnums=1)(params, CFG, caches, candidates, t)
+  assert h.shape == (B, len(candidates), CFG.n_embd)
+  for b in range(B):
+    sequences = jnp.concatenate(
+        [jnp.broadcast_to(tokens[b, :t], (len(candidates), t)), candidates[:, None]], axis=1)
+    assert_close(h[b], split.client(params, CFG, sequences, K)[:, t], 1e-5, f"document {b}")
+
+
+def test_bfloat16_is_close_to_float32(params, tokens):
+  # bf16 keeps 8 bits of mantissa: a few parts in 1e3 per matmul, compounded over layers.
+  h16, g16 = split.boundary_messages(params, CFG.replace(dtype="bfloat16"), tokens, K)
+  h32, g32 = split.boundary_messages(params, CFG, tokens, K)
+  assert h16.dtype == g16.dtype == jnp.float32
+  assert_close(h16, h32, 5e-2, "bf16 h")
+  assert_close(g16, g32, 5e-2, "bf16 g")
+  assert not np.allclose(h16, h32, rtol=0, atol=1e-7), "dtype switch had no effect"
+
+
+@pytest.mark.parametrize("k", [0, CFG.n_layer])
+def test_invalid_cut_raises(params, tokens, k):
+  with pytest.raises(ValueError, match=f"cut k={k}"):
+    split.client(params, CFG, tokens, k)
+  with pytest.raises(ValueError, match=f"cut k={k}"):
+    split.boundary_messages(params, CFG, tokens, k)
+  with pytest.raises(ValueError, match=f"cut k={k}"):
+    split.server_loss(params, CFG, jnp.zeros((B, T, CFG.n_embd)), tokens, k)
