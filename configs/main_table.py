@@ -9,7 +9,7 @@ Variants (`:ARG`):
          128 evaluation documents; sized for 2 CPU cores.
   paper  GPT-2 124M from --config.model.hf_dir (or the hub), 10 models x 2 attack seeds,
          k in {3, 6}, public and trained, 256 evaluation documents: for a GPU or TPU.
-  tiny   a 4-layer model and a handful of documents: the end-to-end test (minutes).
+  tiny   a 4-layer model, k = 2 only and a handful of documents: the end-to-end test.
 """
 
 import ml_collections
@@ -42,11 +42,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.finetune = finetune.get_config("tiny" if tiny else model_name)
   config.finetune.num_models = 10 if paper else 3
   config.finetune.num_epochs = 1 if tiny else 4
-  config.cuts = (3, 6) if not tiny else (1, 2)  # Depths k.
   # (cut, knowledge) pairs; "trained" fine-tunes the client layers and the attacker holds
   # the pre-trained ones.
   config.settings = ((3, "public"), (6, "public"), (3, "trained"), (6, "trained")) \
-      if paper else (((1, "public"), (2, "public"), (2, "trained")) if tiny
+      if paper else (((2, "public"), (2, "trained")) if tiny
                      else ((3, "public"), (6, "public"), (6, "trained")))
   config.attack_seeds = (0, 1) if paper else (0,)  # Seeds of the random-candidate control.
   # Every core attack and control; the FLOP-matched activation-only run beside the joint one.

@@ -105,8 +105,10 @@ def step_cost_fn(params, cfg: GPT2Config, k: int, num_docs: int, width: int,
   position = (jnp.zeros((num_docs,), jnp.int32),
               jnp.zeros((num_docs, num_candidates), jnp.int32),
               jnp.zeros((num_docs, cfg.n_embd), jnp.float32))
-  step = jax.vmap(lambda c, p: _doc_step(params, cfg, c, p)[0])
-  return jax.jit(step).lower(carry, position)
+  # params are an argument, not a closure: closed-over weights become XLA constants that
+  # it constant-folds (tens of seconds for GPT-2's wte) on every lowering.
+  step = jax.vmap(lambda prm, c, p: _doc_step(prm, cfg, c, p)[0], in_axes=(None, 0, 0))
+  return jax.jit(step).lower(params, carry, position)
 
 
 def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candidates: int,

@@ -43,7 +43,7 @@ def _gradient_only(ws: Workspace, budget) -> np.ndarray:
 
 
 registry.register(OneShotAttack(
-    registry.AttackSpec("ridge", "ridge", ("activations",), budget_fields=("ridge_alpha",),
+    registry.AttackSpec("ridge", "ridge", ("activations",), budget_fields=("candidates", "ridge_alpha"),
                         description="linear (ridge) inversion alone: nearest token"),
     _ridge, ("ridge", "activation_candidates")))
 
@@ -51,6 +51,6 @@ for _name, _positions in (("gradient_only", "all"), ("gradient_only_t1", "t>=1")
   registry.register(OneShotAttack(
       registry.AttackSpec(
           _name, "gradient_heuristic", ("gradients",), knowledge=("public", "trained", "none"),
-          needs_weights=False, budget_fields=(), scored_positions=_positions,
+          needs_weights=False, budget_fields=("c_a", "c_g"), scored_positions=_positions,
           description=f"argmax of the previous position's negative gradient, scored on {_positions}"),
       _gradient_only, ("gradient_ranking",)))

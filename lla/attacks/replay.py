@@ -9,6 +9,7 @@ same run directory reuses them (verified by hash) and runs only the rest.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import subprocess
 import time
@@ -38,6 +39,7 @@ class Attacker:
   model_id: str
   calibration_tokens: np.ndarray  # [N, T] int32
   knowledge: str                  # "public" or "trained"
+  source: dict                    # how to load the weights again (lla.model.loading)
 
 
 def provenance() -> dict:
@@ -56,11 +58,12 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget, seed: in
   """E of the replay: the capture's target, observations and corpus, the attacker's K and B."""
   captured = protocol.ProtocolTuple.from_dict(capture.metadata["protocol"])
   e = captured.replace(
-      K=protocol.Knowledge(attacker.knowledge),
+      K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id),
       B=protocol.Budgets(calibration_size=int(attacker.calibration_tokens.shape[0]),
                          candidates=int(budget.candidates), beam_width=int(budget.beam_width),
                          c_a=int(budget.c_a), c_g=int(budget.c_g),
-                         ridge_alpha=float(budget.ridge_alpha)),
+                         ridge_alpha=float(budget.ridge_alpha),
+                         shuffle_seed=int(budget.shuffle_seed)),
       G=dataclasses.replace(captured.G, seeds=(int(seed),),
                             policy_sha256=load_policy(captured.G.policy).sha256))
   return e.to_dict()
@@ -77,6 +80,30 @@ def _register_protocol(run_dir: str, e: dict) -> str:
                        "use a new --workdir")
     return rundir.e_hash(e)
   return rundir.create(run_dir, e)
+
+
+INPUTS = "inputs"
+
+
+def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker) -> None:
+  """Stores what regenerating E's predictions needs besides the capture: where the
+  attacker's weights load from (checked by hash) and the calibration tokens themselves."""
+  path = os.path.join(run_dir, INPUTS, f"{e_hash}.json")
+  if os.path.exists(path):
+    return
+  os.makedirs(os.path.join(run_dir, INPUTS), exist_ok=True)
+  tokens = np.ascontiguousarray(attacker.calibration_tokens, np.int32)
+  calibration_sha = files.sha256_bytes(tokens.tobytes())
+  calibration = f"{INPUTS}/calibration_{calibration_sha[:16]}.npy"
+  if not os.path.exists(os.path.join(run_dir, calibration)):
+    buffer = io.BytesIO()
+    np.save(buffer, tokens, allow_pickle=False)
+    files.atomic_write_bytes(os.path.join(run_dir, calibration), buffer.getvalue())
+  files.atomic_write_json(path, {"attacker_source": dict(attacker.source),
+                                 "attacker_params_sha256": attacker.model_id,
+                                 "calibration_file": calibration,
+                                 "calibration_sha256": calibration_sha})
+  rundir.log(run_dir).append({"type": "inputs", "e_hash": e_hash, "file": f"{INPUTS}/{e_hash}.json"})
 
 
 def file_name(run_id: str) -> str:
@@ -141,6 +168,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
 
   e = replay_protocol(capture, attacker, budget, seed)
   e_hash = _register_protocol(run_dir, e)
+  pin_inputs(run_dir, e_hash, attacker)
   ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,
                  int(target_meta["cut"]), np.asarray(attacker.calibration_tokens, np.int32),
                  ridge_alpha=float(budget.ridge_alpha), memory_budget_bytes=memory_budget_bytes,

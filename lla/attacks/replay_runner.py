@@ -22,8 +22,9 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
     raise ValueError("--config.capture_dir is required")
   attacks = [a.strip() for a in config.attacks.split(",") if a.strip()]
   model = load_model(config.attacker)
+  source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
   attacker = replay.Attacker(model.params, model.cfg, model.model_id,
-                             calibration_tokens(config.calibration), config.knowledge)
+                             calibration_tokens(config.calibration), config.knowledge, source)
   return replay.replay(workdir, config.capture_dir, attacker, attacks, config.budget,
                        int(config.seed), run_prefix=config.run_prefix,
                        reference_prefix=config.reference_prefix or None, model_seed=int(config.model_seed),

@@ -158,7 +158,10 @@ class Workspace:
       decoder, wte = self.decoder, self.wte
       vocab = self.cfg.vocab_size
       fn = lambda h: cand_lib.nearest_tokens(decoder.decode(h), wte, num)
-      cost = lambda h: xla_flops(jax.jit(fn).lower(h))
+      # wte is an argument of the lowered function: as a closed-over constant XLA would
+      # constant-fold it (tens of seconds for GPT-2) on every cost analysis.
+      cost_fn = lambda h, w: cand_lib.nearest_tokens(decoder.decode(h), w, num)
+      cost = lambda h: xla_flops(jax.jit(cost_fn).lower(h, wte))
       out, xla = map_documents(fn, (self.activations,),
                                self.chunk_for(8.0 * self.seq_len * vocab), self.mesh, cost)
       positions = self.num_docs * self.seq_len
@@ -174,7 +177,8 @@ class Workspace:
     if key not in self._cache:
       wte, vocab = self.wte, self.cfg.vocab_size
       fn = lambda g: cand_lib.gradient_ranked_tokens(g, wte, num)
-      cost = lambda g: xla_flops(jax.jit(fn).lower(g))
+      cost = lambda g: xla_flops(jax.jit(cand_lib.gradient_ranked_tokens,
+                                         static_argnames=("num",)).lower(g, wte, num=num))
       out, xla = map_documents(fn, (gradients,), self.chunk_for(8.0 * self.seq_len * vocab),
                                self.mesh, cost)
       self._record(stage, xla, cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab,

@@ -69,6 +69,7 @@ class Observations:
 class Knowledge:
   """K: the client weights the attacker holds."""
   weights: str = "public"
+  weights_sha256: str = ""      # identity of the attacker's copy of the model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Budgets:
   c_a: int = 16
   c_g: int = 16
   ridge_alpha: float = 1e-3
+  shuffle_seed: int = 17
   flops: float | None = None
 
 

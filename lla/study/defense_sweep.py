@@ -23,7 +23,6 @@ from lla.attacks import replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
 from lla.evidence import files
-from lla.train.checkpoint import params_sha256
 
 UTILITY_FILE = "defense_utility.json"
 
@@ -39,7 +38,8 @@ def defended_messages(params, cfg, tokens: np.ndarray, cut: int, defense, batch_
   hs, gs = [], []
   for step, start in enumerate(range(0, tokens.shape[0], batch_size)):
     batch = jnp.asarray(tokens[start:start + batch_size])
-    h, g = training.defended_messages(params, cfg, batch, cut, defense, defense.step_key(step))
+    key = defense.step_key(step) if defense.has_secret else None
+    h, g = training.defended_messages(params, cfg, batch, cut, defense, key)
     hs.append(np.asarray(h, np.float32))
     gs.append(np.asarray(g, np.float32))
   return np.concatenate(hs), np.concatenate(gs)
@@ -62,9 +62,10 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), target in tqdm(jobs, desc="defenses", unit="capture"):
     label = f"{name}_{param}{strength}"
-    defense = defenses.make(name, **{param: strength},
-                            **({"secret_seed": secret_seed(name, strength, target.model_seed)}
-                               if "secret_seed" in defenses.get(name).__dataclass_fields__ else {}))
+    defense = defenses.make(name, **{param: strength})
+    if defense.has_secret:
+      defense = defenses.make(name, **{param: strength},
+                              secret_seed=secret_seed(name, strength, target.model_seed))
     record = defense.to_record()
     directory = captures / f"def_{label}_m{target.model_seed}"
     store.reuse_or_write(directory, lambda d, t=target, dfn=defense, r=record: capture.capture_target(
@@ -74,9 +75,7 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                                    int(config.capture_batch_size)),
         defense=name, defense_params={**r["params"], "strength": r["strength"],
                                       "label": label}))
-    attacker = replay.Attacker(target.attacker_params, target.cfg,
-                               params_sha256(target.attacker_params),
-                               splits.calibration.tokens, "public")
+    attacker = target.attacker(splits.calibration.tokens)
     for seed in config.attack_seeds:
       replay.replay(str(study), str(directory), attacker, list(config.defense_attacks),
                     config.budget, int(seed), run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",

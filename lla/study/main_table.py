@@ -50,6 +50,11 @@ class Target:
   cfg: object
   model_id: str
   attacker_params: dict
+  attacker_source: dict   # lla.model.loading spec of the attacker's weights
+
+  def attacker(self, calibration: np.ndarray) -> replay.Attacker:
+    return replay.Attacker(self.attacker_params, self.cfg, params_sha256(self.attacker_params),
+                           calibration, self.knowledge, self.attacker_source)
 
   @property
   def name(self) -> str:
@@ -62,17 +67,18 @@ def _phase(name: str) -> None:
 
 
 def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path):
-  """(params, cfg, provenance) of the base: pre-trained here, or loaded (paper)."""
+  """((params, cfg, provenance), source) of the base: pre-trained here, or loaded (paper)."""
   from lla.train import models
   model = config.model
   if not (model.hf_dir or model.hub or model.checkpoint):
     checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain")
     model = ml_collections.ConfigDict(model.to_dict())
     model.checkpoint = str(checkpoint.path)
-  return models.load_base(model)
+  source = {k: model[k] for k in ("hf_dir", "checkpoint", "hub") if model[k]}
+  return models.load_base(model), source
 
 
-def fine_tuned_targets(config, workdir: pathlib.Path, splits, base) -> list[Target]:
+def fine_tuned_targets(config, workdir: pathlib.Path, splits, base, base_source) -> list[Target]:
   targets = []
   base_params, _, _ = base
   for cut, knowledge in config.settings:
@@ -83,9 +89,10 @@ def fine_tuned_targets(config, workdir: pathlib.Path, splits, base) -> list[Targ
                                         splits=splits, base=base)
     for seed, checkpoint in zip(finetune_lib.seeds(ft), checkpoints):
       # Public: the attacker holds the target's exact client layers; trained: only the base.
-      attacker = checkpoint.params if knowledge == "public" else base_params
+      public = knowledge == "public"
       targets.append(Target(int(cut), knowledge, seed, checkpoint.params, checkpoint.cfg,
-                            checkpoint.sha256, attacker))
+                            checkpoint.sha256, checkpoint.params if public else base_params,
+                            {"checkpoint": str(checkpoint.path)} if public else base_source))
   return targets
 
 
@@ -108,14 +115,12 @@ def attack_targets(config, study: pathlib.Path, targets: list[Target], captures:
   for target, seed in tqdm(jobs, desc="attacks", unit="replay"):
     primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
     attacks = list(config.attacks if primary else config.secondary_attacks)
-    attacker = replay.Attacker(target.attacker_params, target.cfg, params_sha256(
-        target.attacker_params), calibration, target.knowledge)
-    replay.replay(str(study), str(captures[target.name]), attacker, attacks, config.budget,
+    replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks, config.budget,
                   int(seed), run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
                   memory_budget_bytes=int(config.memory_budget_mb) << 20)
 
 
-def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base) -> None:
+def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
   """Ridge inversion alone on each corpus, k = corpus_study.cut, the base model."""
   params, cfg, provenance = base
   cut = int(config.corpus_study.cut)
@@ -128,7 +133,7 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base) -> No
         model_id=provenance["params_sha256"], corpus=s.corpus,
         split_hashes={n: p.sha256 for n, p in s.items()}, training=False))
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
-                               splits.calibration.tokens, "public")
+                               splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
                   run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
 
@@ -147,10 +152,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
     return report.render(config, workdir)
 
   _phase("pretrain / base model")
-  base = base_model(config, workdir)
+  base, base_source = base_model(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
   _phase("fine-tune")
-  targets = fine_tuned_targets(config, workdir, splits, base)
+  targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   if not study.exists():
     policy = load_policy(config.scoring.policy)
     rundir.create_study(str(study), {"G": {"policy": policy.policy_id,
@@ -161,7 +166,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase("attacks")
   attack_targets(config, study, targets, captures, splits.calibration.tokens)
   _phase("corpus study")
-  corpus_study(config, workdir, study, base)
+  corpus_study(config, workdir, study, base, base_source)
   _phase("defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits)
   _phase("scoring")

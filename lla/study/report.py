@@ -98,6 +98,70 @@ def recovery_figure(card: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _defense_points(card: dict, utility: dict) -> list[dict]:
+  """One point per gated defense configuration: label, envelope, exact-doc, CE cost."""
+  points = []
+  for gate in card["gates"]:
+    params = gate["config"]["defense_params"]
+    label = params.get("label", gate["config"]["defense"])
+    costs = [u["cross_entropy_increase"]["value"] for key, u in utility.items()
+             if key.startswith(label + "/")]
+    pooled = gate["pooled"].values()
+    points.append({
+        "defense": gate["config"]["defense"], "label": label, "cut": gate["config"]["cut"],
+        "strength": params.get("strength"), "decision": gate["decision"],
+        "reasons": gate["reasons"], "n_seeds": gate["n_seeds"],
+        "envelope_pp": (gate["envelope"] or {}).get("envelope_pp"),
+        "floor_pp": (gate["envelope"] or {}).get("floor_pp"),
+        "exact_doc": max((m["exact_doc_recovery"] for m in pooled), default=None),
+        "token": max((m["token_recovery"] for m in pooled), default=None),
+        "ce_increase": sum(costs) / len(costs) if costs else None,
+        "ce_increase_per_seed": costs,
+    })
+  return sorted(points, key=lambda p: (p["defense"], p["label"]))
+
+
+def defense_table(points: list[dict]) -> list[str]:
+  lines = ["| defense | strength | decision | envelope pp | floor pp | best token rec. | "
+           "best exact doc | CE increase (nats, mean over seeds) | seeds | reasons |",
+           "|" + "---|" * 10]
+  for p in points:
+    ce = "—" if p["ce_increase"] is None else f"{p['ce_increase']:+.4f}"
+    lines.append(f"| {p['label']} | {p['strength']} | **{p['decision']}** | "
+                 f"{_pp(p['envelope_pp'])} | {_pp(p['floor_pp'])} | {_pct(p['token'])} | "
+                 f"{_pct(p['exact_doc'])} | {ce} | {p['n_seeds']} | "
+                 f"{'; '.join(p['reasons'])} |")
+  return lines
+
+
+def frontier_figure(points: list[dict], path: pathlib.Path) -> None:
+  """Privacy (envelope, exact-document recovery) against utility cost, one curve per defense."""
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  markers = {"PASS": "o", "FAIL": "x", "INSUFFICIENT_EVIDENCE": "s"}
+  for name in sorted({p["defense"] for p in points}):
+    curve = sorted((p for p in points if p["defense"] == name and p["ce_increase"] is not None),
+                   key=lambda p: p["ce_increase"])
+    if not curve:
+      continue
+    for ax, key, scale in ((axes[0], "envelope_pp", 1.0), (axes[1], "exact_doc", 100.0)):
+      xs = [p["ce_increase"] for p in curve]
+      ys = [scale * p[key] for p in curve]
+      line, = ax.plot(xs, ys, "-", alpha=0.6, label=name)
+      for x, y, p in zip(xs, ys, curve):
+        ax.scatter([x], [y], marker=markers[p["decision"]], color=line.get_color(), zorder=3)
+  axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
+  axes[0].set_ylabel("attack envelope (pp over baseline, Wilson U95)")
+  axes[1].set_ylabel("exact document recovery (%)")
+  for ax in axes:
+    ax.set_xlabel("held-out cross-entropy increase (nats)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7, title="o PASS  x FAIL  s INSUFFICIENT", title_fontsize=7)
+  fig.suptitle("Privacy-utility frontier")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def cost_table(card: dict) -> list[str]:
   lines = ["| run | FLOPs | source | wall s |", "|---|---|---|---|"]
   for row in card["rows"]:
@@ -114,6 +178,11 @@ def render(config, workdir) -> pathlib.Path:
   out = workdir / "report"
   out.mkdir(exist_ok=True)
   recovery_figure(card, out / "recovery.png")
+  utility_path = workdir / "defense_utility.json"
+  utility = json.loads(utility_path.read_text()) if utility_path.exists() else {}
+  points = _defense_points(card, utility)
+  (out / "frontier.json").write_text(json.dumps(points, indent=1, sort_keys=True) + "\n")
+  frontier_figure(points, out / "frontier.png")
   timing = workdir / "timing.json"
   wall = json.loads(timing.read_text())["wall_s"] if timing.exists() else None
   scorecard_md = scorecard.markdown(card)
@@ -121,7 +190,7 @@ def render(config, workdir) -> pathlib.Path:
       f"# lla main table ({config.variant})", "",
       f"**Unmeasured share of the declared threat space: {100 * card['unmeasured_share']:.1f}%** "
       "(coverage report below).", "",
-      f"Target: {config.model.name}, cuts {list(config.cuts)}, {config.finetune.num_models} "
+      f"Target: {config.model.name}, (k, knowledge) {[tuple(s) for s in config.settings]}, {config.finetune.num_models} "
       f"fine-tuned models, {config.data.n_eval} evaluation documents of T = {config.data.seq_len}. "
       f"Scorecard `{card['e_hash'][:16]}`; wall time "
       f"{'—' if wall is None else f'{wall / 60:.1f} min'}.", "",
@@ -129,6 +198,11 @@ def render(config, workdir) -> pathlib.Path:
       seed_figures.WHY_DIFFERENT, "",
       "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
       "## Corpus study: ridge inversion alone", "", *corpus_table(card, int(config.corpus_study.cut)), "",
+      "## Defense verdicts (scorecard-policy.v3) and utility cost", "",
+      "Defense-unaware attackers (the core attacks run as is on the defended capture); "
+      "each defended record links the undefended run of the same target and attack.", "",
+      *defense_table(points), "",
+      "![frontier](frontier.png) (data: frontier.json)", "",
       "## Exact-document against token recovery", "", "![recovery](recovery.png)", "",
       "## FLOPs and wall time per attack run", "", *cost_table(card), "",
       "## Scorecard (gates, coverage, qualification)", "", scorecard_md,

@@ -1,0 +1,26 @@
+"""Recomputes a run's predictions from its pinned inputs and compares them bit for bit.
+
+  python -m experiments.regenerate --workdir=RUN
+"""
+
+import sys
+
+from absl import app, flags
+
+from lla.attacks import regenerate
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run (or study) directory.", required=True)
+
+
+def main(argv):
+  del argv
+  problems = regenerate.regenerate(_WORKDIR.value)
+  for problem in problems:
+    print(f"MISMATCH {problem}")
+  if problems:
+    sys.exit(1)
+  print(f"OK {_WORKDIR.value}: every prediction regenerated bit for bit")
+
+
+if __name__ == "__main__":
+  app.run(main)

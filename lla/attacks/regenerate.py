@@ -1,0 +1,67 @@
+"""Regenerate a run's predictions from its pinned inputs and compare them bit for bit.
+
+For every measured record: the capture it names (hash-checked), the attacker's weights
+loaded from the source pinned in `inputs/<e_hash>.json` (hash-checked), the pinned
+calibration tokens, the budget of its protocol tuple and its seed. PROTOCOL section 3:
+the same capture, E and seeds give identical predictions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from lla.attacks import registry, replay
+from lla.attacks.workspace import Workspace
+from lla.capture import store
+from lla.evidence import files, rundir
+from lla.model.loading import load_model
+
+
+def _protocol(run_dir: str, e_hash: str) -> dict:
+  if rundir.is_study(run_dir):
+    return files.read_json(os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json"))
+  return files.read_json(os.path.join(run_dir, rundir.PROTOCOL))
+
+
+def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Workspace:
+  inputs = files.read_json(os.path.join(run_dir, replay.INPUTS, f"{record.e_hash}.json"))
+  model = load_model(ml_collections.ConfigDict(inputs["attacker_source"]))
+  if model.model_id != inputs["attacker_params_sha256"]:
+    raise ValueError(f"{inputs['attacker_source']}: attacker weights hash {model.model_id[:12]}... "
+                     f"differ from the pinned {inputs['attacker_params_sha256'][:12]}...")
+  calibration = np.load(os.path.join(run_dir, inputs["calibration_file"]), allow_pickle=False)
+  if files.sha256_bytes(np.ascontiguousarray(calibration, np.int32).tobytes()) != \
+      inputs["calibration_sha256"]:
+    raise ValueError(f"{inputs['calibration_file']}: calibration tokens changed")
+  capture = store.load_capture(rundir.resolve(run_dir, record.capture_dir))
+  if capture.manifest_sha256 != record.capture_sha256:
+    raise ValueError(f"{record.capture_dir}: capture differs from the one record "
+                     f"{record.run_id!r} was made from")
+  return Workspace(capture.activations, capture.gradients, model.params, model.cfg,
+                   int(e["T"]["cut"]), calibration, ridge_alpha=float(e["B"]["ridge_alpha"]),
+                   memory_budget_bytes=memory_budget_bytes, mesh=None)
+
+
+def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
+  """Recomputes every measured record's predictions; returns mismatches (empty if all equal)."""
+  problems, workspaces = [], {}
+  for record in rundir.load_records(run_dir):
+    if record.status != "ok":
+      continue
+    e = _protocol(run_dir, record.e_hash)
+    if record.e_hash not in workspaces:
+      workspaces[record.e_hash] = _workspace(run_dir, record, e, memory_budget_bytes)
+    budget = ml_collections.ConfigDict({k: e["B"][k] for k in (
+        "candidates", "beam_width", "c_a", "c_g", "ridge_alpha", "shuffle_seed")})
+    result = registry.get(record.attack)(workspaces[record.e_hash], budget,
+                                         jax.random.key(record.seed))
+    stored = rundir.load_predictions(rundir.resolve(run_dir, record.prediction_file))
+    if not np.array_equal(result.predictions, stored):
+      differ = int((result.predictions != stored).sum())
+      problems.append(f"{record.prediction_file}: regenerated predictions differ in {differ} "
+                      f"of {stored.size} tokens (record {record.run_id!r})")
+  return problems
