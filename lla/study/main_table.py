@@ -16,7 +16,7 @@ replay skips attacks whose predictions and records are already in the study. A f
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
 import pathlib
 import time
 
@@ -156,11 +156,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   splits = data.load_splits(**config.data.to_dict())
   _phase("fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
+  config_json = json.loads(config.to_json())
   if not study.exists():
     policy = load_policy(config.scoring.policy)
     rundir.create_study(str(study), {"G": {"policy": policy.policy_id,
                                            "policy_sha256": policy.sha256},
-                                     "config": config.to_dict()})
+                                     "config": config_json})
+  elif files.read_json(str(study / rundir.PROTOCOL)).get("config") != config_json:
+    raise ValueError(f"{study}: this workdir was started with a different config; resume it "
+                     "with the same config or use a new --workdir")
   _phase("captures")
   captures = capture_targets(config, workdir, targets, splits)
   _phase("attacks")

@@ -1,0 +1,45 @@
+"""Model configs: `get_config(name)` for name in `NAMES`; also `--config=configs/models.py:NAME`.
+
+The architecture fields are those of `lla.model.gpt2.GPT2Config`. Where the weights come from
+(read by `lla.train.models.load_base`, first non-empty wins): `checkpoint` an lla checkpoint
+directory (the output of experiments/pretrain.py), `hf_dir` a `save_pretrained` directory, `hub`
+a Hugging Face hub name.
+
+  embedded   8 layers, d 128, 4 heads, 128 positions, GPT-2's 50,257-token vocabulary: 7.9M
+             parameters, 6.4M of them the tied embedding/head, which also dominates the FLOPs.
+             Measured ~885 tokens/s for training on 2 idle CPU cores (B 16 x T 128), so the
+             pretraining budget of configs/pretrain.py (500 steps x 2,048 tokens) takes ~20 min.
+             Cuts k = 3 and k = 6 both leave server blocks.
+  tiny       4 layers, d 32, 2 heads, 64 positions, GPT-2 vocabulary: for tests (seconds).
+  gpt2_124m  OpenAI's GPT-2 small, loaded from `hf_dir` if given, else from the hub.
+"""
+
+import ml_collections
+
+NAMES = ("embedded", "tiny", "gpt2_124m")
+
+_ARCHITECTURES = {
+    "embedded": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
+    "tiny": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
+    "gpt2_124m": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  name = arg or "embedded"
+  if name not in NAMES:
+    raise ValueError(f"unknown model {name!r}; expected one of {NAMES}")
+  config = ml_collections.ConfigDict()
+  config.name = name  # Recorded in every checkpoint's metadata.
+  config.vocab_size = 50257  # GPT-2's tokenizer, for every model.
+  config.n_layer = _ARCHITECTURES[name]["n_layer"]  # Blocks; a cut k needs 1 <= k < n_layer.
+  config.n_embd = _ARCHITECTURES[name]["n_embd"]  # d, the width of the boundary messages.
+  config.n_head = _ARCHITECTURES[name]["n_head"]  # Attention heads; n_embd % n_head == 0.
+  config.n_positions = _ARCHITECTURES[name]["n_positions"]  # Longest sequence.
+  config.layer_norm_epsilon = 1e-5  # As GPT-2.
+  config.dtype = "float32"  # Matmul compute dtype; PROTOCOL.md section 4 pins float32.
+  # Pre-trained weights (see the module docstring); all empty = random init (pretraining).
+  config.checkpoint = "runs/pretrain_embedded/checkpoint" if name == "embedded" else ""
+  config.hf_dir = ""
+  config.hub = "gpt2" if name == "gpt2_124m" else ""
+  return config

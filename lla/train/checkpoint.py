@@ -1,0 +1,177 @@
+"""Model checkpoints: orbax params + config + metadata, identified by a content hash.
+
+Layout of a checkpoint directory:
+
+  DIR/
+    params/          orbax StandardCheckpointer tree of float32 arrays
+    config.json      the GPT2Config fields
+    hf/              the same weights as a HF `save_pretrained` directory (optional)
+    metadata.json    {"format", "params_sha256", "hf_sha256", ...caller's metadata}
+
+The model's identity is `params_sha256`: sha256 over every leaf in sorted path order (path,
+dtype, shape, little-endian bytes), so it does not depend on how the params were produced or
+stored. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
+in one step, so `DIR` either does not exist or holds every file; `restore` still re-hashes the
+params (and the HF weights) and refuses a directory whose hash disagrees, e.g. one copied or
+edited by hand. `load_or_create` is the cache: a valid DIR is reused, anything else at DIR is
+removed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from lla.model import hf_io
+from lla.model.gpt2 import GPT2Config, init_params
+
+FORMAT = "lla-checkpoint.v1"
+PARAMS_DIR, CONFIG_FILE, METADATA_FILE, HF_DIR = "params", "config.json", "metadata.json", "hf"
+_PARTIAL = ".partial-"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that is missing, incomplete or fails its hash."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """A restored (hash-verified) checkpoint."""
+
+  path: pathlib.Path
+  params: dict
+  cfg: GPT2Config
+  metadata: dict
+
+  @property
+  def sha256(self) -> str:
+    return self.metadata["params_sha256"]
+
+  @property
+  def hf_dir(self) -> pathlib.Path | None:
+    return self.path / HF_DIR if self.metadata.get("hf_sha256") else None
+
+
+def params_sha256(params) -> str:
+  """The model's identity: sha256 over (path, dtype, shape, little-endian bytes) of each leaf."""
+  flat = {"/".join(str(getattr(p, "key", p)) for p in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  digest = hashlib.sha256()
+  for name in sorted(flat):
+    array = np.asarray(flat[name])
+    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    header = f"{name}\0{array.dtype.str}\0{list(array.shape)}\0"
+    digest.update(header.encode("utf-8"))
+    digest.update(array.tobytes())
+  return digest.hexdigest()
+
+
+def _file_sha256(path: pathlib.Path) -> str:
+  digest = hashlib.sha256()
+  with path.open("rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def config_to_json(cfg: GPT2Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict | None = None,
+         export_hf: bool = True) -> Checkpoint:
+  """Writes a checkpoint atomically to `directory` (which must not exist yet).
+
+  Args:
+    directory: final location.
+    params: GPT-2 parameter pytree.
+    cfg: its config.
+    metadata: JSON-serialisable extra fields (run config, data hashes, eval results).
+    export_hf: also write `hf/`, a `save_pretrained` directory.
+
+  Returns:
+    The checkpoint, with `params_sha256` in its metadata.
+  """
+  directory = pathlib.Path(directory).absolute()
+  if directory.exists():
+    raise CheckpointError(f"{directory}: already exists; remove it or use load_or_create")
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  partial = directory.with_name(directory.name + _PARTIAL + uuid.uuid4().hex[:8])
+  partial.mkdir()
+  params = jax.device_get(params)
+  full_metadata = {**(metadata or {}), "format": FORMAT, "params_sha256": params_sha256(params)}
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(partial / PARAMS_DIR, params)
+  (partial / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2, sort_keys=True) + "\n")
+  if export_hf:
+    hf_io.save_hf_dir(params, cfg, partial / HF_DIR)
+    full_metadata["hf_sha256"] = _file_sha256(partial / HF_DIR / hf_io.WEIGHTS_FILE)
+  (partial / METADATA_FILE).write_text(json.dumps(full_metadata, indent=2, sort_keys=True) + "\n")
+  os.rename(partial, directory)
+  logging.info("saved checkpoint %s (params sha256 %s)", directory, full_metadata["params_sha256"])
+  return Checkpoint(directory, params, cfg, full_metadata)
+
+
+def restore(directory: str | os.PathLike) -> Checkpoint:
+  """Reads and verifies a checkpoint. Raises CheckpointError if anything is missing or off."""
+  directory = pathlib.Path(directory).absolute()
+  for name in (METADATA_FILE, CONFIG_FILE, PARAMS_DIR):
+    if not (directory / name).exists():
+      raise CheckpointError(f"{directory}: incomplete checkpoint, {name} is missing")
+  try:
+    metadata = json.loads((directory / METADATA_FILE).read_text())
+    cfg = GPT2Config(**json.loads((directory / CONFIG_FILE).read_text()))
+  except (json.JSONDecodeError, TypeError) as e:
+    raise CheckpointError(f"{directory}: unreadable metadata or config ({e})") from None
+  if metadata.get("format") != FORMAT:
+    raise CheckpointError(f"{directory}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+  target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      params = checkpointer.restore(directory / PARAMS_DIR, target)
+  except Exception as e:  # Orbax raises many types for damaged files; all mean "unusable".
+    raise CheckpointError(f"{directory}: params unreadable ({type(e).__name__}: {e})") from None
+  actual = params_sha256(params)
+  if actual != metadata.get("params_sha256"):
+    raise CheckpointError(f"{directory}: params sha256 {actual} != recorded "
+                          f"{metadata.get('params_sha256')}")
+  if metadata.get("hf_sha256"):
+    weights = directory / HF_DIR / hf_io.WEIGHTS_FILE
+    if not weights.exists() or _file_sha256(weights) != metadata["hf_sha256"]:
+      raise CheckpointError(f"{weights}: missing or its sha256 differs from metadata.json")
+  return Checkpoint(directory, params, cfg, metadata)
+
+
+def load_or_create(directory: str | os.PathLike,
+                   create: Callable[[], tuple[Any, GPT2Config, dict]],
+                   export_hf: bool = True) -> tuple[Checkpoint, bool]:
+  """Returns (checkpoint, created): the valid checkpoint at `directory`, else `create()`'s.
+
+  `create` returns (params, cfg, metadata) and runs only when no valid checkpoint exists. An
+  invalid directory (and any `.partial-*` leftovers of an interrupted save) is deleted first.
+  """
+  directory = pathlib.Path(directory).absolute()
+  if directory.exists():
+    try:
+      checkpoint = restore(directory)
+      logging.info("reusing checkpoint %s (params sha256 %s)", directory, checkpoint.sha256)
+      return checkpoint, False
+    except CheckpointError as e:
+      logging.warning("discarding invalid checkpoint: %s", e)
+      shutil.rmtree(directory)
+  for leftover in directory.parent.glob(directory.name + _PARTIAL + "*"):
+    shutil.rmtree(leftover, ignore_errors=True)
+  params, cfg, metadata = create()
+  return save(directory, params, cfg, metadata, export_hf=export_hf), True

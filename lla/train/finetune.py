@@ -1,0 +1,119 @@
+"""Fine-tuning N independently seeded copies of a base model on the protocol's training split.
+
+  checkpoints = finetune(config, workdir)   # workdir/seed_{s}/, one per seed, reused if valid
+
+Each copy starts from the same base weights and is trained with AdamW on the 128 training
+passages (T = 32) of `lla.data.load_splits`; the seed sets the batch order. With
+`train_client_layers=False` (knowledge `public`) the client layers of cut k (wte, wpe,
+h_0..h_{k-1}, hence also the tied head) are frozen bit for bit; with True (`trained`) every
+parameter trains. Every seed's directory is an lla checkpoint (orbax + HF export) whose
+metadata.json holds its params sha256, the base's sha256, k, the knowledge level, the data
+hashes and the held-out CE before and after. `workdir/models.json` lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import ml_collections
+from absl import logging
+
+from lla import data
+from lla.train import checkpoint as ckpt
+from lla.train import loop
+from lla.train import models
+from lla.train.pretrain import json_config
+
+MANIFEST_FILE = "models.json"
+
+
+def seeds(config: ml_collections.ConfigDict) -> list[int]:
+  return [config.first_seed + i for i in range(config.num_models)]
+
+
+def seed_dir(workdir: str | os.PathLike, seed: int) -> pathlib.Path:
+  return pathlib.Path(workdir) / f"seed_{seed}"
+
+
+def knowledge(train_client_layers: bool) -> str:
+  """PROTOCOL.md section 1, K: what an attacker holding the base client weights knows."""
+  return "trained" if train_client_layers else "public"
+
+
+def num_steps(config: ml_collections.ConfigDict, n_train: int) -> int:
+  """`num_epochs` passes over the training passages in full batches."""
+  return config.num_epochs * max(n_train // config.batch_size, 1)
+
+
+def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+             splits: data.Splits | None = None,
+             base: tuple[dict, object, dict] | None = None) -> list[ckpt.Checkpoint]:
+  """Fine-tunes (or reuses) one model per seed; returns their checkpoints in seed order.
+
+  Args:
+    config: see configs/finetune.py.
+    workdir: run directory; seed s goes to `workdir/seed_{s}`.
+    splits: overrides `load_splits(**config.data)` (tests).
+    base: (params, cfg, provenance) overriding `models.load_base(config.model)` (tests).
+
+  Raises:
+    ValueError: a cached seed was made with a different config or base.
+  """
+  run_config = json_config(config)
+  if splits is None:
+    splits = data.load_splits_from_config(config.data)
+  params, cfg, provenance = models.load_base(config.model) if base is None else base
+  if not 1 <= config.k < cfg.n_layer:
+    raise ValueError(f"cut k={config.k} must satisfy 1 <= k < n_layer={cfg.n_layer}")
+  tokens = splits.training.tokens
+  steps = num_steps(config, tokens.shape[0])
+  trainable = loop.trainable_mask(params, config.k, config.train_client_layers)
+  base_eval = loop.evaluate(params, cfg, splits.evaluation.tokens, config.eval_batch_size)
+
+  checkpoints = []
+  for seed in seeds(config):
+    def create(seed=seed):
+      result = loop.train(params, cfg, tokens, optimizer=config.optimizer, num_steps=steps,
+                          batch_size=config.batch_size, seed=seed, trainable=trainable,
+                          log_every=config.log_every, desc=f"finetune seed {seed}")
+      held_out = loop.evaluate(result.params, cfg, splits.evaluation.tokens,
+                               config.eval_batch_size)
+      logging.info("seed %d: held-out CE %.4f -> %.4f", seed, base_eval["ce"], held_out["ce"])
+      metadata = {
+          "kind": "finetune",
+          "run_config": run_config,
+          "seed": seed,
+          "k": config.k,
+          "train_client_layers": config.train_client_layers,
+          "knowledge": knowledge(config.train_client_layers),
+          "frozen": [] if config.train_client_layers else list(loop.client_layer_names(config.k)),
+          "base": provenance,
+          "num_steps": steps,
+          "history": result.history,
+          "eval_before": base_eval,
+          "eval_after": held_out,
+          "data": splits.to_json(),
+      }
+      return result.params, cfg, metadata
+
+    checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf)
+    if (checkpoint.metadata.get("run_config") != run_config
+        or checkpoint.metadata["base"]["params_sha256"] != provenance["params_sha256"]):
+      raise ValueError(f"{checkpoint.path} was made with a different config or base; use another "
+                       "--workdir or delete it")
+    checkpoints.append(checkpoint)
+  _write_manifest(workdir, checkpoints)
+  return checkpoints
+
+
+def _write_manifest(workdir: str | os.PathLike, checkpoints: list[ckpt.Checkpoint]) -> None:
+  """workdir/models.json: seed -> directory and params sha256 (written atomically)."""
+  manifest = [{"seed": c.metadata["seed"], "path": str(c.path), "params_sha256": c.sha256,
+               "hf_dir": str(c.hf_dir) if c.hf_dir else None,
+               "knowledge": c.metadata["knowledge"], "k": c.metadata["k"]} for c in checkpoints]
+  path = pathlib.Path(workdir) / MANIFEST_FILE
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+  os.replace(tmp, path)

@@ -1,0 +1,217 @@
+"""One AdamW training loop for GPT-2 language modelling, shared by pre-training and fine-tuning.
+
+Optimiser: global-norm clipping -> AdamW, learning rate = linear warm-up then cosine (or linear)
+decay; weight decay only on Dense kernels (LayerNorm scales, biases and the wte/wpe embeddings are
+left alone, as in GPT-2/nanoGPT). An optional boolean `trainable` pytree freezes parameters:
+frozen leaves get no optimiser state, do not count in the clipping norm, and are carried through
+the step unchanged (bit for bit, even a -0.0).
+
+Everything is deterministic given the seed: the batch order comes from
+`np.random.default_rng(seed)`, and the step itself is a pure jitted function of
+(params, opt_state, tokens).
+
+Shapes: tokens are int32 [N, T] windows; a batch is [B, T].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from tqdm import auto as tqdm
+
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+
+# Labels of `optax.multi_transform`.
+_TRAIN, _FREEZE = "train", "freeze"
+
+
+def _path_names(path) -> tuple[str, ...]:
+  return tuple(getattr(p, "key", str(p)) for p in path)
+
+
+def decay_mask(params) -> dict:
+  """True on the leaves that get weight decay: Dense kernels only."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: _path_names(path)[-1] == "kernel", params)
+
+
+def client_layer_names(k: int) -> tuple[str, ...]:
+  """Top-level parameter groups that the client of cut k computes with."""
+  return ("wte", "wpe", *(f"h_{i}" for i in range(k)))
+
+
+def trainable_mask(params, k: int, train_client_layers: bool) -> dict:
+  """Boolean pytree: which parameters fine-tuning may change.
+
+  With `train_client_layers=False` (knowledge `public`) the client layers wte, wpe and
+  h_0..h_{k-1} are frozen, so the client's computation and hence the forward message is that of
+  the base model. The output head is tied to wte, so it is frozen too: only h_k..h_{L-1} and
+  ln_f train.
+  """
+  frozen = () if train_client_layers else client_layer_names(k)
+  return jax.tree_util.tree_map_with_path(lambda path, _: _path_names(path)[0] not in frozen, params)
+
+
+def lr_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Warm-up from 0 to `config.lr` over `warmup_steps`, then cosine or linear decay.
+
+  The decay ends at `lr * end_lr_fraction` at `total_steps`.
+  """
+  warmup = min(config.warmup_steps, total_steps)
+  end = config.lr * config.end_lr_fraction
+  decay_steps = max(total_steps - warmup, 1)
+  if config.decay == "cosine":
+    decay = optax.cosine_decay_schedule(config.lr, decay_steps, alpha=config.end_lr_fraction)
+  elif config.decay == "linear":
+    decay = optax.linear_schedule(config.lr, end, decay_steps)
+  else:
+    raise ValueError(f"decay must be 'cosine' or 'linear', got {config.decay!r}")
+  return optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup), decay], [warmup])
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
+                   trainable=None) -> optax.GradientTransformation:
+  """Clip -> AdamW with `lr_schedule`; frozen leaves (trainable False) map to set_to_zero.
+
+  Args:
+    config: optimiser fields (lr, warmup_steps, decay, end_lr_fraction, b1, b2, eps,
+      weight_decay, clip_norm); see configs/pretrain.py.
+    total_steps: length of the schedule.
+    trainable: optional bool pytree like params; None trains everything.
+  """
+  adamw = optax.chain(
+      optax.clip_by_global_norm(config.clip_norm),
+      optax.adamw(lr_schedule(config, total_steps), b1=config.b1, b2=config.b2, eps=config.eps,
+                  weight_decay=config.weight_decay, mask=decay_mask),
+  )
+  if trainable is None:
+    return adamw
+  labels = jax.tree.map(lambda t: _TRAIN if t else _FREEZE, trainable)
+  return optax.multi_transform({_TRAIN: adamw, _FREEZE: optax.set_to_zero()}, labels)
+
+
+def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
+                    trainable=None) -> Callable:
+  """A jitted `(params, opt_state, tokens [B, T]) -> (params, opt_state, loss)`.
+
+  Frozen leaves are returned as the input arrays themselves rather than `p + 0`, which would
+  turn -0.0 into +0.0.
+  """
+  keep = None if trainable is None else jax.tree.leaves(trainable)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(split.lm_loss)(params, cfg, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if keep is not None:
+      leaves = [n if t else o for n, o, t in
+                zip(jax.tree.leaves(new_params), jax.tree.leaves(params), keep)]
+      new_params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    return new_params, opt_state, loss
+
+  return step
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_optimizer_and_step(cfg: GPT2Config, optimizer_json: str, num_steps: int,
+                               treedef, trainable_leaves: tuple[bool, ...] | None):
+  """One compilation per (model, optimiser, schedule, mask): seeds of a fine-tune share it."""
+  optimizer = ml_collections.ConfigDict(json.loads(optimizer_json))
+  trainable = None if trainable_leaves is None else jax.tree.unflatten(treedef, trainable_leaves)
+  tx = make_optimizer(optimizer, num_steps, trainable)
+  return tx, make_train_step(cfg, tx, trainable)
+
+
+def batches(tokens: np.ndarray, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+  """Endless seeded batches [B, T]: each epoch is a fresh permutation; a short tail is dropped.
+
+  With fewer rows than `batch_size` every batch is the whole (shuffled) set.
+  """
+  rng = np.random.default_rng(seed)
+  n = tokens.shape[0]
+  size = min(batch_size, n)
+  while True:
+    order = rng.permutation(n)
+    for start in range(0, n - size + 1, size):
+      yield tokens[order[start:start + size]]
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """params after training and the logged history (step, mean loss since last log, lr)."""
+
+  params: dict
+  history: list[dict]
+
+
+def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collections.ConfigDict,
+          num_steps: int, batch_size: int, seed: int, trainable=None, log_every: int = 50,
+          progress: bool = True, desc: str = "train") -> TrainResult:
+  """Trains `params` for `num_steps` AdamW steps on seeded batches of `tokens`.
+
+  Args:
+    params: initial parameters (not modified; the step donates copies).
+    cfg: model config.
+    tokens: int32 [N, T] training windows.
+    optimizer: see `make_optimizer`.
+    num_steps: optimiser steps (also the schedule length).
+    batch_size: B.
+    seed: batch-order seed.
+    trainable: optional bool pytree (see `trainable_mask`).
+    log_every: steps between logged mean losses (the last step is always logged).
+    progress: show a tqdm bar.
+    desc: label of the bar and log lines.
+  """
+  treedef = jax.tree.structure(params)
+  tx, step_fn = _cached_optimizer_and_step(
+      cfg, optimizer.to_json(sort_keys=True), num_steps, treedef,
+      None if trainable is None else tuple(bool(t) for t in jax.tree.leaves(trainable)))
+  schedule = lr_schedule(optimizer, num_steps)
+  # Donation consumes the step's inputs; copy so that the caller's params survive.
+  params = jax.tree.map(jnp.array, params)
+  opt_state = tx.init(params)
+  history, pending = [], []
+  data = batches(np.asarray(tokens, np.int32), batch_size, seed)
+  bar = tqdm.trange(num_steps, desc=desc, disable=not progress)
+  for i in bar:
+    params, opt_state, loss = step_fn(params, opt_state, next(data))
+    pending.append(loss)
+    if (i + 1) % log_every == 0 or i + 1 == num_steps:
+      mean = float(np.mean(jax.device_get(pending)))
+      pending = []
+      record = {"step": i + 1, "loss": mean, "lr": float(schedule(i))}
+      history.append(record)
+      bar.set_postfix(loss=f"{mean:.4f}")
+      logging.info("%s step %d/%d loss %.4f lr %.3g", desc, i + 1, num_steps, mean, record["lr"])
+  return TrainResult(params=params, history=history)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _summed_ce(params, cfg: GPT2Config, tokens):
+  """Sum of next-token CE over a batch [B, T] (B * (T-1) positions)."""
+  return split.lm_loss(params, cfg, tokens) * tokens.shape[0] * (tokens.shape[1] - 1)
+
+
+def evaluate(params, cfg: GPT2Config, tokens: np.ndarray, batch_size: int = 32) -> dict:
+  """Held-out mean next-token CE (nats) and perplexity over all N * (T-1) positions of [N, T].
+
+  Every row is scored exactly once: the last partial batch is run at its own size.
+  """
+  tokens = np.asarray(tokens, np.int32)
+  total = 0.0
+  for start in range(0, tokens.shape[0], batch_size):
+    total += float(_summed_ce(params, cfg, tokens[start:start + batch_size]))
+  n = tokens.shape[0] * (tokens.shape[1] - 1)
+  ce = total / n
+  return {"ce": ce, "perplexity": math.exp(ce), "n_positions": n}

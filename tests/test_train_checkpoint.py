@@ -1,0 +1,104 @@
+"""Checkpoints: round trip, content hash, HF export, cache reuse, corrupt/partial detection."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lla.model import hf_io
+from lla.model.gpt2 import GPT2Config, init_params
+from lla.train import checkpoint as ckpt
+
+CFG = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0))
+
+
+def _equal(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_round_trip_and_stable_hash(tmp_path, params):
+  saved = ckpt.save(tmp_path / "c", params, CFG, {"note": "x"})
+  restored = ckpt.restore(tmp_path / "c")
+  assert _equal(restored.params, params) and restored.cfg == CFG
+  assert restored.sha256 == saved.sha256 == ckpt.params_sha256(params)
+  assert restored.metadata["note"] == "x"
+  hf_params, hf_cfg = hf_io.load_hf_dir(restored.hf_dir)
+  assert hf_cfg == CFG and _equal(hf_params, params)
+
+
+def test_hash_is_canonical_and_content_sensitive(params):
+  reordered = {name: params[name] for name in reversed(list(params))}
+  assert ckpt.params_sha256(reordered) == ckpt.params_sha256(params)
+  changed = jax.tree.map(jnp.array, params)
+  changed["ln_f"]["bias"] = changed["ln_f"]["bias"].at[0].add(1e-7)
+  assert ckpt.params_sha256(changed) != ckpt.params_sha256(params)
+
+
+def _counting_create(params):
+  calls = []
+
+  def create():
+    calls.append(1)
+    return params, CFG, {"run": len(calls)}
+
+  return create, calls
+
+
+def test_cached_checkpoint_is_reused(tmp_path, params):
+  create, calls = _counting_create(params)
+  first, created = ckpt.load_or_create(tmp_path / "c", create)
+  second, created_again = ckpt.load_or_create(tmp_path / "c", create)
+  assert created and not created_again and len(calls) == 1
+  assert second.sha256 == first.sha256
+
+
+def _corrupt_params_file(directory):
+  # Flip bytes in the largest orbax data file: the stored arrays themselves.
+  files = [p for p in (directory / ckpt.PARAMS_DIR).rglob("*") if p.is_file()]
+  target = max(files, key=lambda p: p.stat().st_size)
+  raw = bytearray(target.read_bytes())
+  for i in range(len(raw) // 2, len(raw) // 2 + 64):
+    raw[i] ^= 0xFF
+  target.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["params_bytes", "metadata_hash", "missing_metadata",
+                                    "hf_weights"])
+def test_damaged_checkpoint_detected_and_redone(tmp_path, params, damage):
+  directory = tmp_path / "c"
+  create, calls = _counting_create(params)
+  ckpt.load_or_create(directory, create)
+  if damage == "params_bytes":
+    _corrupt_params_file(directory)
+  elif damage == "metadata_hash":
+    meta = json.loads((directory / ckpt.METADATA_FILE).read_text())
+    meta["params_sha256"] = "0" * 64
+    (directory / ckpt.METADATA_FILE).write_text(json.dumps(meta))
+  elif damage == "missing_metadata":  # What an interrupted non-atomic write would leave.
+    (directory / ckpt.METADATA_FILE).unlink()
+  else:
+    (directory / ckpt.HF_DIR / hf_io.WEIGHTS_FILE).write_bytes(b"truncated")
+  with pytest.raises(ckpt.CheckpointError):
+    ckpt.restore(directory)
+  redone, created = ckpt.load_or_create(directory, create)
+  assert created and len(calls) == 2
+  assert redone.sha256 == ckpt.params_sha256(params)
+  assert ckpt.restore(directory).metadata["run"] == 2
+
+
+def test_interrupted_save_leftover_is_ignored_and_cleaned(tmp_path, params):
+  leftover = tmp_path / "c.partial-deadbeef"
+  (leftover / ckpt.PARAMS_DIR).mkdir(parents=True)
+  with pytest.raises(ckpt.CheckpointError):
+    ckpt.restore(tmp_path / "c")
+  create, calls = _counting_create(params)
+  ckpt.load_or_create(tmp_path / "c", create)
+  assert len(calls) == 1 and not leftover.exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

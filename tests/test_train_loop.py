@@ -1,0 +1,117 @@
+"""The training loop: learning, schedule, weight-decay and freezing masks, determinism, eval."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import finetune as finetune_config
+from lla.model import split
+from lla.model.gpt2 import GPT2Config, init_params
+from lla.train import loop
+
+CFG = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=4, n_head=2)
+K = 2
+
+
+def _optimizer(lr=1e-2):
+  config = finetune_config.get_config("tiny").optimizer
+  config.lr = lr
+  return config
+
+
+def _tokens(n=16, seed=0):
+  return np.random.default_rng(seed).integers(0, CFG.vocab_size, (n, 12)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0))
+
+
+def _leaves_equal(a, b):
+  return all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_loss_decreases_on_repeated_batch(params):
+  batch = _tokens(4)
+  result = loop.train(params, CFG, batch, optimizer=_optimizer(), num_steps=30, batch_size=4,
+                      seed=0, log_every=5, progress=False)
+  first = float(split.lm_loss(params, CFG, batch))
+  last = float(split.lm_loss(result.params, CFG, batch))
+  assert last < first - 1.0, (first, last)
+  assert result.history[-1]["step"] == 30 and len(result.history) == 6
+
+
+def test_lr_schedule_warmup_then_decay():
+  config = _optimizer(1.0)
+  config.warmup_steps, config.end_lr_fraction = 4, 0.1
+  for decay in ("cosine", "linear"):
+    config.decay = decay
+    schedule = loop.lr_schedule(config, 20)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(4)) == pytest.approx(1.0)
+    assert float(schedule(20)) == pytest.approx(0.1)
+    assert float(schedule(10)) < 1.0
+
+
+def test_weight_decay_only_on_dense_kernels(params):
+  mask = loop.decay_mask(params)
+  assert mask["h_0"]["attn"]["c_attn"]["kernel"] and mask["h_3"]["mlp"]["c_fc"]["kernel"]
+  assert not mask["h_0"]["attn"]["c_attn"]["bias"]
+  assert not mask["h_0"]["ln_1"]["scale"] and not mask["ln_f"]["bias"]
+  assert not mask["wte"]["embedding"] and not mask["wpe"]["embedding"]
+
+
+@pytest.mark.parametrize("train_client_layers", [False, True])
+def test_client_layers_frozen_only_when_asked(params, train_client_layers):
+  trainable = loop.trainable_mask(params, K, train_client_layers)
+  result = loop.train(params, CFG, _tokens(), optimizer=_optimizer(), num_steps=4, batch_size=8,
+                      seed=0, trainable=trainable, progress=False)
+  for name in params:
+    same = _leaves_equal(params[name], result.params[name])
+    is_client = name in loop.client_layer_names(K)
+    assert same == (is_client and not train_client_layers), name
+  # The forward message is the base model's exactly when the client layers were frozen.
+  x = _tokens(2)
+  h_base, h_new = split.client(params, CFG, x, K), split.client(result.params, CFG, x, K)
+  assert np.array_equal(h_base, h_new) == (not train_client_layers)
+
+
+def test_frozen_negative_zero_survives(params):
+  # p + 0.0 would turn -0.0 into +0.0; frozen leaves must be carried through untouched.
+  params = jax.tree.map(jnp.array, params)
+  params["wpe"]["embedding"] = params["wpe"]["embedding"].at[0, 0].set(-0.0)
+  trainable = loop.trainable_mask(params, K, False)
+  result = loop.train(params, CFG, _tokens(), optimizer=_optimizer(), num_steps=1, batch_size=8,
+                      seed=0, trainable=trainable, progress=False)
+  assert np.signbit(result.params["wpe"]["embedding"][0, 0])
+
+
+def test_same_seed_identical_different_seed_differs(params):
+  run = lambda seed: loop.train(params, CFG, _tokens(), optimizer=_optimizer(), num_steps=3,
+                                batch_size=4, seed=seed, progress=False).params
+  a, b, c = run(0), run(0), run(1)
+  assert _leaves_equal(a, b)
+  assert not _leaves_equal(a, c)
+
+
+def test_batches_are_seeded_permutations():
+  tokens = np.arange(10)[:, None].repeat(3, axis=1)
+  it = loop.batches(tokens, 4, seed=0)
+  epoch = np.concatenate([next(it)[:, 0] for _ in range(2)])
+  assert len(set(epoch.tolist())) == 8  # Without replacement within an epoch; tail of 2 dropped.
+  again = loop.batches(tokens, 4, seed=0)
+  assert np.array_equal(next(again), loop.batches(tokens, 4, seed=0).__next__())
+
+
+def test_evaluate_is_mean_ce_over_all_positions(params):
+  tokens = _tokens(10)
+  result = loop.evaluate(params, CFG, tokens, batch_size=4)  # Batches of 4, 4, 2.
+  expected = float(split.lm_loss(params, CFG, tokens))
+  assert result["ce"] == pytest.approx(expected, rel=1e-5)
+  assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+  assert result["n_positions"] == 10 * 11
