@@ -82,8 +82,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ("projection", "enabled", (True,)),
       ("gradient_clip_noise", "clip_norm", (0.01,) if tiny else (0.1, 0.01)),
   )
-  # The decoy-row training split (PROTOCOL section 7), small variant.
-  config.decoy = decoy_leak.get_config("tiny" if not paper else "cpu")
+  # The decoy-row training split (PROTOCOL section 7): its small variant (synthetic tokens,
+  # a 2-layer model) on CPU, 3 seeds so that its gate can decide; paper: 9 seeds of `cpu`.
+  config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
+  config.decoy.num_seeds = 9 if paper else 3
   config.scoring = scoring.get_config()
   config.memory_budget_mb = 1024 if not paper else 16384  # Per-chunk attack working set.
   return config

@@ -151,3 +151,13 @@ registry.register(BeamAttack(
         role="negative_control",
         description="joint attack with the gradient slots filled by random tokens"),
     _random, _ACT_STAGES))
+
+for _plain, _candidates in (("activation", _activation),
+                            ("joint", _joint_from(lambda ws, budget: ws.gradients,
+                                                  "gradient_ranking"))):
+  _spec = registry.get_unloaded(_plain).spec
+  registry.register(BeamAttack(
+      dataclasses.replace(
+          _spec, name=f"{_plain}_defense_aware", defense_aware=True, reference_attack=_plain,
+          description=_spec.description + "; ridge fitted on defended calibration activations"),
+      _candidates, registry.get_unloaded(_plain).stages))

@@ -17,6 +17,7 @@ import numpy as np
 from lla.attacks import registry, replay
 from lla.attacks.workspace import Workspace
 from lla.capture import store
+from lla.defenses import aware
 from lla.evidence import files, rundir
 from lla.model.loading import load_model
 
@@ -41,9 +42,12 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
   if capture.manifest_sha256 != record.capture_sha256:
     raise ValueError(f"{record.capture_dir}: capture differs from the one record "
                      f"{record.run_id!r} was made from")
+  mimic = inputs.get("calibration_defense")
   return Workspace(capture.activations, capture.gradients, model.params, model.cfg,
                    int(e["T"]["cut"]), calibration, ridge_alpha=float(e["B"]["ridge_alpha"]),
-                   memory_budget_bytes=memory_budget_bytes, mesh=None)
+                   memory_budget_bytes=memory_budget_bytes, mesh=None,
+                   calibration_transform=None if mimic is None
+                   else aware.calibration_transform(**mimic))
 
 
 def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:

@@ -36,6 +36,10 @@ class AttackSpec:
     role: "attack", "negative_control" or "baseline".
     description: one line for reports.
     reference: where the algorithm is pinned or published.
+    defense_aware: fits its decoder on calibration passed through the defense's mechanism
+      (with the attacker's own randomness); runs only with such a transform.
+    reference_attack: the attack whose undefended run is this one's positive control
+      ("" = itself).
   """
 
   name: str
@@ -48,6 +52,8 @@ class AttackSpec:
   role: str = "attack"
   description: str = ""
   reference: str = "PROTOCOL.md section 4"
+  defense_aware: bool = False
+  reference_attack: str = ""
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -89,6 +95,12 @@ def get(name: str) -> Attack:
   _load_builtin_attacks()
   if name not in _REGISTRY:
     raise KeyError(f"no attack named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+  return _REGISTRY[name]
+
+
+def get_unloaded(name: str) -> Attack:
+  """An already registered attack, without triggering the built-in imports (for modules
+  that derive variants while they are being imported)."""
   return _REGISTRY[name]
 
 

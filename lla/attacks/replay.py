@@ -24,6 +24,7 @@ import lla
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh
 from lla.capture import store
+from lla.defenses import aware
 from lla.evidence import files, rundir
 from lla.protocol import tuple as protocol
 from lla.scoring.policy import load_policy
@@ -54,11 +55,13 @@ def provenance() -> dict:
           "device_count": jax.device_count()}
 
 
-def replay_protocol(capture: store.Capture, attacker: Attacker, budget, seed: int) -> dict:
+def replay_protocol(capture: store.Capture, attacker: Attacker, budget, seed: int,
+                    calibration_defense: dict | None = None) -> dict:
   """E of the replay: the capture's target, observations and corpus, the attacker's K and B."""
   captured = protocol.ProtocolTuple.from_dict(capture.metadata["protocol"])
   e = captured.replace(
-      K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id),
+      K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id,
+                           mechanism=protocol.frozen(calibration_defense or {})),
       B=protocol.Budgets(calibration_size=int(attacker.calibration_tokens.shape[0]),
                          candidates=int(budget.candidates), beam_width=int(budget.beam_width),
                          c_a=int(budget.c_a), c_g=int(budget.c_g),
@@ -85,7 +88,8 @@ def _register_protocol(run_dir: str, e: dict) -> str:
 INPUTS = "inputs"
 
 
-def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker) -> None:
+def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
+               calibration_defense: dict | None) -> None:
   """Stores what regenerating E's predictions needs besides the capture: where the
   attacker's weights load from (checked by hash) and the calibration tokens themselves."""
   path = os.path.join(run_dir, INPUTS, f"{e_hash}.json")
@@ -102,7 +106,8 @@ def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker) -> None:
   files.atomic_write_json(path, {"attacker_source": dict(attacker.source),
                                  "attacker_params_sha256": attacker.model_id,
                                  "calibration_file": calibration,
-                                 "calibration_sha256": calibration_sha})
+                                 "calibration_sha256": calibration_sha,
+                                 "calibration_defense": calibration_defense})
   rundir.log(run_dir).append({"type": "inputs", "e_hash": e_hash, "file": f"{INPUTS}/{e_hash}.json"})
 
 
@@ -139,7 +144,8 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
 def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str],
            budget: ml_collections.ConfigDict, seed: int, *, run_prefix: str = "",
            reference_prefix: str | None = None, model_seed: int = 0,
-           memory_budget_bytes: int = 2 << 30, mesh="auto") -> list[AttackRecord]:
+           memory_budget_bytes: int = 2 << 30, mesh="auto",
+           calibration_defense: dict | None = None) -> list[AttackRecord]:
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
   Args:
@@ -152,12 +158,21 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     reference_prefix: for defended captures, the run_id prefix of the linked undefended
       reference: each attack links `reference_prefix + attack`.
     mesh: a document mesh, None for one device, or "auto" (every local device).
+    calibration_defense: {"name", "params", "attacker_seed"} of the defense a
+      defense-aware attacker mimics on its calibration data (lla.defenses.aware); for
+      defense-aware attacks, and only those.
   """
+  calibration_transform = None if calibration_defense is None else \
+      aware.calibration_transform(**calibration_defense)
   capture = store.load_capture(capture_dir)
   specs = [registry.get(name).spec for name in attacks]
   for spec in specs:
     registry.check_compatible(spec, capture.observations, attacker.knowledge,
                               capture_name=f"capture {capture_dir}")
+    if spec.defense_aware != (calibration_defense is not None):
+      raise registry.IncompatibleCaptureError(
+          f"attack {spec.name!r} is {'' if spec.defense_aware else 'not '}defense-aware: it "
+          f"{'needs' if spec.defense_aware else 'must not get'} a calibration defense")
   target_meta = capture.metadata["protocol"]["T"]
   if attacker.calibration_tokens.shape[1] != capture.activations.shape[1]:
     raise ValueError(f"calibration documents have T={attacker.calibration_tokens.shape[1]}, "
@@ -166,13 +181,14 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     raise ValueError(f"attacker model has d={attacker.cfg.n_embd}, capture {capture_dir} has "
                      f"d={capture.activations.shape[-1]}")
 
-  e = replay_protocol(capture, attacker, budget, seed)
+  e = replay_protocol(capture, attacker, budget, seed, calibration_defense)
   e_hash = _register_protocol(run_dir, e)
-  pin_inputs(run_dir, e_hash, attacker)
+  pin_inputs(run_dir, e_hash, attacker, calibration_defense)
   ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,
                  int(target_meta["cut"]), np.asarray(attacker.calibration_tokens, np.int32),
                  ridge_alpha=float(budget.ridge_alpha), memory_budget_bytes=memory_budget_bytes,
-                 mesh=document_mesh() if mesh == "auto" else mesh)
+                 mesh=document_mesh() if mesh == "auto" else mesh,
+                 calibration_transform=calibration_transform)
   truth_file = os.path.relpath(os.path.join(capture.directory, store.TRUTH_FILE), run_dir)
   common = dict(
       e_hash=e_hash, capture_dir=os.path.relpath(capture.directory, run_dir),
@@ -188,7 +204,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       logging.info("replay: %s already finished (%s), reused", spec.name, done.prediction_sha256[:12])
       records.append(done)
       continue
-    reference = None if reference_prefix is None else reference_prefix + spec.name
+    reference = None if reference_prefix is None else (
+        reference_prefix + (spec.reference_attack or spec.name))
     records.append(_run_one(run_dir, ws, spec, budget, seed, run_prefix,
                             {**common, "reference": reference}))
   return records

@@ -98,6 +98,9 @@ class Workspace:
     ridge_alpha: ridge strength relative to trace(Hc^T Hc)/d.
     memory_budget_bytes: per-chunk working-set budget.
     mesh: document mesh or None.
+    calibration_transform: for defense-aware attackers, the defense's mechanism with the
+      attacker's own randomness, applied to the calibration activations [N, T, d] before
+      the ridge fit; None for a defense-unaware attacker.
   """
 
   activations: np.ndarray
@@ -109,6 +112,7 @@ class Workspace:
   ridge_alpha: float = 1e-3
   memory_budget_bytes: int = 2 << 30
   mesh: Mesh | None = None
+  calibration_transform: Callable[[np.ndarray], np.ndarray] | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
 
@@ -135,6 +139,8 @@ class Workspace:
   def decoder(self) -> ridge.RidgeDecoder:
     h_cal = np.asarray(split.client(self.params, self.cfg, jnp.asarray(self.calibration_tokens),
                                     self.cut))
+    if self.calibration_transform is not None:
+      h_cal = np.asarray(self.calibration_transform(h_cal), np.float32)
     e_cal = np.asarray(self.wte)[self.calibration_tokens]
     d = self.cfg.n_embd
     num_rows = self.calibration_tokens.size

@@ -70,6 +70,8 @@ class Knowledge:
   """K: the client weights the attacker holds."""
   weights: str = "public"
   weights_sha256: str = ""      # identity of the attacker's copy of the model
+  mechanism: tuple = ()         # frozen dict: the defense mechanism a defense-aware attacker
+                                # mimics (name, public params, its own seed); () = unaware
 
 
 @dataclasses.dataclass(frozen=True)

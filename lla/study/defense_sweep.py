@@ -10,6 +10,7 @@ defense against the same weights undefended, with a bootstrap interval over docu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pathlib
 
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from lla import defenses
 from lla.attacks import replay
 from lla.capture import capture, store
-from lla.defenses import training, utility
+from lla.defenses import aware, training, utility
 from lla.evidence import files
 
 UTILITY_FILE = "defense_utility.json"
@@ -62,10 +63,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), target in tqdm(jobs, desc="defenses", unit="capture"):
     label = f"{name}_{param}{strength}"
-    defense = defenses.make(name, **{param: strength})
-    if defense.has_secret:
-      defense = defenses.make(name, **{param: strength},
-                              secret_seed=secret_seed(name, strength, target.model_seed))
+    secret = {"secret_seed": secret_seed(name, strength, target.model_seed)} if any(
+        f.name == "secret_seed" for f in dataclasses.fields(defenses.get(name))) else {}
+    defense = defenses.make(name, **{param: strength}, **secret)
     record = defense.to_record()
     directory = captures / f"def_{label}_m{target.model_seed}"
     store.reuse_or_write(directory, lambda d, t=target, dfn=defense, r=record: capture.capture_target(
@@ -81,6 +81,15 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                     config.budget, int(seed), run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",
                     reference_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
                     memory_budget_bytes=int(config.memory_budget_mb) << 20)
+      mimic = {"name": name, "params": record["params"],
+               "attacker_seed": secret_seed("attacker/" + name, strength, target.model_seed)}
+      if aware.calibration_transform(**mimic) is not None:
+        replay.replay(str(study), str(directory), attacker,
+                      [f"{a}_defense_aware" for a in config.defense_attacks], config.budget,
+                      int(seed), run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",
+                      reference_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
+                      memory_budget_bytes=int(config.memory_budget_mb) << 20,
+                      calibration_defense=mimic)
     key = f"{label}/m{target.model_seed}"
     if key not in costs:
       costs[key] = {"defense": name, "param": param, "strength": strength,

@@ -6,6 +6,7 @@ Layout of `workdir`:
     finetune/k{k}_{knowledge}/     fine-tuned targets, one per model seed (cached)
     captures/<name>/               boundary messages of each target (cached, hash-verified)
     study/                         the run directory of every attack record (lla.evidence)
+    decoy/                         the decoy-row training split (lla.decoy), its own table
     report/                        report.md and its figures
 
 Every phase reuses finished artifacts: checkpoints and captures are verified by hash, and
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from lla import data
 from lla.attacks import registry, replay
 from lla.capture import capture, store
+from lla.decoy import run as decoy_run
 from lla.evidence import files, manifest, rundir
 from lla.scoring import scorecard
 from lla.scoring.policy import load_policy
@@ -36,7 +38,7 @@ from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
 from lla.train.checkpoint import params_sha256
 
-STUDY, CAPTURES, REPORT = "study", "captures", "report"
+STUDY, CAPTURES, DECOY = "study", "captures", "decoy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   corpus_study(config, workdir, study, base, base_source)
   _phase("defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits)
+  _phase("decoy-row training split")
+  decoy_run.run(config.decoy, str(workdir / DECOY))
   _phase("scoring")
   # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
   scorecard.score_run(str(study), config.scoring, modules=registry.module_entries(),

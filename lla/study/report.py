@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import matplotlib
 
@@ -171,6 +172,18 @@ def cost_table(card: dict) -> list[str]:
   return lines
 
 
+def decoy_section(workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
+  """The decoy-row experiment's own table (lla.decoy.report) and dose-response figure."""
+  decoy = workdir / "decoy"
+  if not (decoy / "results.md").exists():
+    return ["Not run: no decoy/results.md (this section is unmeasured)."]
+  lines = [(decoy / "results.md").read_text()]
+  if (decoy / "dose_response.png").exists():
+    shutil.copyfile(decoy / "dose_response.png", out / "dose_response.png")
+    lines += ["", "![dose response](dose_response.png)"]
+  return lines
+
+
 def render(config, workdir) -> pathlib.Path:
   """Writes workdir/report/report.md (+ PNGs) from workdir/study/scorecard.json."""
   workdir = pathlib.Path(workdir)
@@ -203,6 +216,8 @@ def render(config, workdir) -> pathlib.Path:
       "each defended record links the undefended run of the same target and attack.", "",
       *defense_table(points), "",
       "![frontier](frontier.png) (data: frontier.json)", "",
+      "## Decoy-row training split (PROTOCOL section 7)", "",
+      *decoy_section(workdir, out), "",
       "## Exact-document against token recovery", "", "![recovery](recovery.png)", "",
       "## FLOPs and wall time per attack run", "", *cost_table(card), "",
       "## Scorecard (gates, coverage, qualification)", "", scorecard_md,

@@ -1,0 +1,104 @@
+"""The decoy-row split (lla.decoy): gauge, UCN symmetry, zero decoy gradients, attacks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import decoy_leak
+from lla.decoy import attacks, capture, data, system
+from lla.model.gpt2 import GPT2Config, init_params
+
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def captures():
+  """Tiny system trained STEPS steps without and with the mitigation (same seeds)."""
+  train, _, vocab = data.load_blocks("synthetic", 32, vocab=64, n_tokens=6000, seed=0)
+  cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  out = {}
+  for name, grad_clip in (("none", 0.0), ("mitigated", 0.01)):
+    spec = system.SplitSpec(cfg=cfg, cut=1, width=16, pool_size=128, grad_clip=grad_clip)
+    state = system.init_state(spec, params, train[:4], jax.random.PRNGKey(1))
+    _, out[name] = system.train(spec, state, train[4:4 + STEPS], jax.random.PRNGKey(2), chunk=32)
+    out[name]["truth"] = capture.truth_from_perm(out[name]["perm"], train[4:4 + STEPS], 32)
+  return out
+
+
+def test_decoy_gradient_rows_exactly_zero_without_mitigation(captures):
+  c = captures["none"]
+  decoy = c["truth"]["real_mask"] == 0
+  assert c["gradient"].shape == (STEPS, 80, 16)
+  assert np.all(c["gradient"][decoy] == 0.0)
+  assert np.all(np.any(c["gradient"][~decoy] != 0.0, axis=-1))
+
+
+def test_no_gradient_row_zero_with_mitigation(captures):
+  g = captures["mitigated"]["gradient"]
+  assert np.all(np.any(g != 0.0, axis=-1))
+
+
+def test_structural_attack(captures):
+  exact = attacks.structural(captures["none"]["gradient"], captures["none"]["truth"]["real_mask"])
+  assert exact["frames_exact"] == STEPS and exact["row_agreement"] == 1.0
+  mit = attacks.structural(captures["mitigated"]["gradient"],
+                           captures["mitigated"]["truth"]["real_mask"])
+  assert mit["frames_exact"] == 0 and mit["row_agreement"] == pytest.approx(32 / 80)
+
+
+def test_gauge_round_trip():
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+  rows = jax.random.normal(k1, (80, 64))
+  perm, rot = jax.random.permutation(k2, 80), system.haar(k3, 64)
+  np.testing.assert_allclose(rot @ rot.T, np.eye(64), atol=1e-5)
+  np.testing.assert_allclose(system.from_wire(system.to_wire(rows, perm, rot), perm, rot), rows,
+                             atol=1e-5)
+
+
+def test_ucn_commutes_with_rotation_and_permutation():
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 4)
+  ucn = system.init_ucn(k1, 32)
+  ucn["w2"] = jax.random.normal(k4, ucn["w2"].shape)  # Not the identity map.
+  x = jax.random.normal(k2, (80, 64))
+  perm, rot = jax.random.permutation(k3, 80), system.haar(k3, 64)
+  np.testing.assert_allclose(system.ucn_apply(ucn, system.to_wire(x, perm, rot)),
+                             system.to_wire(system.ucn_apply(ucn, x), perm, rot), atol=1e-4)
+  assert not np.allclose(system.ucn_apply(ucn, x), x)
+
+
+def test_probe_detects_injected_leak_not_shuffled_labels():
+  rng = np.random.default_rng(0)
+  frames, rows, width = 200, 32, 16
+  labels = rng.zipf(1.5, size=(frames, rows)).clip(max=40).astype(np.int32)
+  grad = rng.standard_normal((frames, rows, width)).astype(np.float32)
+  fwd = rng.standard_normal((frames, rows, width)).astype(np.float32)
+  grad = attacks.inject(grad, labels, rho=1.0, amp=1.0, seed=0)
+  np.testing.assert_allclose(np.linalg.norm(grad, axis=-1),
+                             np.linalg.norm(attacks.inject(grad, labels, 0.0, 1.0, 0), axis=-1))
+  train, test = attacks.split_frames(frames, 0)
+  cfg = decoy_leak.get_config("tiny").probe
+  policy = {"alpha": 0.05, "threshold_pp": 1.0,
+            "bootstrap": {"replicates": 200, "seed": 0, "confidence": 0.95}}
+  feats = attacks.arm_features(fwd, grad, train)
+  res = attacks.content({"gradient": feats["gradient"]}, labels, train, test, cfg, 2, policy, 0)
+  for kind in ("linear", "mlp"):
+    arm = res["arms"][f"gradient/{kind}"]
+    assert arm["ci_pp"][0] > 10.0
+    assert arm["shuffled"]["advantage_pp"] < 1.0
+  assert res["gate"] == "FAIL"
+
+
+def test_capture_round_trip_and_tamper(captures, tmp_path):
+  c = captures["none"]
+  directory = str(tmp_path / "cap")
+  capture.write(directory, c["forward"], c["gradient"], c["truth"], {"session_id": "t"})
+  messages, truth, metadata, _ = capture.read(directory)
+  np.testing.assert_array_equal(messages["gradient"], c["gradient"])
+  np.testing.assert_array_equal(truth["real_mask"], c["truth"]["real_mask"])
+  assert metadata["session_id"] == "t" and capture.is_complete(directory)
+  with open(tmp_path / "cap" / capture.TRUTH, "ab") as f:
+    f.write(b"x")
+  with pytest.raises(ValueError, match="manifest"):
+    capture.read(directory)
