@@ -28,7 +28,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.variant = variant  # Recorded in the report.
   # Pre-training of the base (configs/pretrain.py); skipped when model.hub/hf_dir is given.
   config.pretrain = pretrain.get_config("tiny" if tiny else "embedded")
-  config.pretrain.num_steps = 20 if tiny else 400  # CPU budget of the one-time pre-training.
+  # The one-time pre-training: 300 steps x 16 x 128 tokens (~12 min on 2 idle cores).
+  config.pretrain.num_steps = 20 if tiny else 300
   # The base model: architecture and, for `paper`, where its weights are.
   config.model = models.get_config(model_name)
   config.model.checkpoint = ""  # Filled by the pre-training phase (workdir/pretrain).
@@ -74,13 +75,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.defense_cut = 2 if tiny else 6
   config.defense_docs = 8 if tiny else 64  # Evaluation documents per defended capture.
   config.defense_attacks = ("activation", "joint")
+  # Defense-aware variants (ridge refitted on calibration passed through the mechanism).
+  config.defense_aware_attacks = ("activation_defense_aware", "joint_defense_aware") \
+      if paper else ("activation_defense_aware",)
   config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
-      ("gaussian", "sigma", (0.3,) if tiny else (0.1, 0.3, 1.0, 3.0)),
-      ("topk", "sparsity", (0.75,) if tiny else (0.5, 0.75, 0.9)),
-      ("quantize", "bits", (2,) if tiny else (8, 4, 2)),
+      ("gaussian", "sigma", (0.3,) if tiny else (0.3, 1.0, 3.0)),
+      ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),
+      ("quantize", "bits", (2,) if tiny else (4, 2)),
       ("mixup", "m", (2,) if tiny else (2, 4)),
       ("projection", "enabled", (True,)),
-      ("gradient_clip_noise", "clip_norm", (0.01,) if tiny else (0.1, 0.01)),
+      ("gradient_clip_noise", "clip_norm", (0.01,)),
   )
   # The decoy-row training split (PROTOCOL section 7): its small variant (synthetic tokens,
   # a 2-layer model) on CPU, 3 seeds so that its gate can decide; paper: 9 seeds of `cpu`.

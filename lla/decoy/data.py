@@ -2,16 +2,14 @@
 
 A block is R + 1 consecutive tokens (inputs [:R], targets [1:]); blocks start every R
 tokens, so consecutive blocks share one token and every token of the stream is a target.
-
-The WikiText reader here is deliberately small (tokenize a split, cut blocks); it can be
-replaced by `lla.data`'s loaders once those exist, without changing the block layout.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from lla.data import paths, tokenizer
+from lla import data
+from lla.data import tokenizer
 
 
 def blocks_of(stream: np.ndarray, n_real: int) -> np.ndarray:
@@ -22,14 +20,8 @@ def blocks_of(stream: np.ndarray, n_real: int) -> np.ndarray:
 
 
 def wikitext_stream(data_dir: str | None, split: str) -> np.ndarray:
-  """The GPT-2 tokens of one WikiText-2 split, lines tokenized with their endings."""
-  root = paths.resolve_data_dir(data_dir or None)
-  path = paths.find_file(root, [f"wikitext-2/{split}.txt", f"wikitext-2/wiki.{split}.tokens",
-                                f"wikitext-2/wiki.{split}.raw"], f"WikiText-2 {split} split")
-  tok = tokenizer.load_tokenizer(root)
-  lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-           if line.strip()]
-  return np.concatenate(tok.encode_batch(lines)).astype(np.int32)
+  """The GPT-2 tokens of one WikiText-2 split (lla.data's cached stream)."""
+  return np.asarray(data.pretraining_tokens(data_dir or None, split=split), np.int32)
 
 
 def synthetic_stream(vocab: int, n_tokens: int, seed: int) -> np.ndarray:

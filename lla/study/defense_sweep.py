@@ -83,9 +83,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                     memory_budget_bytes=int(config.memory_budget_mb) << 20)
       mimic = {"name": name, "params": record["params"],
                "attacker_seed": secret_seed("attacker/" + name, strength, target.model_seed)}
-      if aware.calibration_transform(**mimic) is not None:
+      if config.defense_aware_attacks and aware.calibration_transform(**mimic) is not None:
         replay.replay(str(study), str(directory), attacker,
-                      [f"{a}_defense_aware" for a in config.defense_attacks], config.budget,
+                      list(config.defense_aware_attacks), config.budget,
                       int(seed), run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",
                       reference_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
                       memory_budget_bytes=int(config.memory_budget_mb) << 20,

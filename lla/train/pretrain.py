@@ -47,8 +47,8 @@ def load_pretraining_data(config: ml_collections.ConfigDict) -> tuple[np.ndarray
   kwargs = dict(cache_dir=config.data.cache_dir)
   train = data.pretraining_tokens(config.data.data_dir, "train", exclude=splits,
                                   exclude_splits=tuple(config.exclude_splits), **kwargs)
-  valid = data.pretraining_tokens(config.data.data_dir, "valid", **kwargs)
-  return _windows(train, config.seq_len), _windows(valid, config.seq_len)
+  valid = _windows(data.pretraining_tokens(config.data.data_dir, "valid", **kwargs), config.seq_len)
+  return _windows(train, config.seq_len), valid[:config.eval_windows or None]
 
 
 def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,

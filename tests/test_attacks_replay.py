@@ -1,0 +1,313 @@
+"""Replay: determinism, resume, crashes, chunking, sharding and refusal of bad inputs.
+
+A tiny random GPT-2 (V = 512, d = 32, 3 layers, k = 2) is captured once (training and
+inference captures of 10 documents x 8 tokens) and replayed through `lla.attacks.replay`
+(and once through the experiments/replay.py binary). Predictions are compared byte for
+byte across run directories: twice in a row, after a resume, with a memory budget that
+forces one document per chunk or ragged chunks of 3, and, in a subprocess, sharded over
+8 forced host devices.
+"""
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from lla.attacks import beam_attacks, registry, replay
+from lla.attacks.workspace import Workspace
+from lla.capture import capture, store
+from lla.evidence import files, manifest, rundir
+from lla.model import hf_io
+from lla.model.gpt2 import GPT2Config
+
+from test_attacks_units import random_params
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CFG = GPT2Config(vocab_size=512, n_positions=16, n_embd=32, n_head=4, n_layer=3)
+K, B, T = 2, 10, 8
+ATTACKS = ["ridge", "activation", "joint", "shuffled_gradients", "random_candidates",
+           "gradient_only"]
+# Every stage (ridge, activation candidates, gradient ranking, random fill, beam search).
+STAGES = ["activation", "joint", "random_candidates"]
+
+
+def make_attacker(params, cfg, cal, hf_dir, knowledge="public"):
+  """replay.Attacker, with `source` where this version of it has that field."""
+  fields = {f.name for f in dataclasses.fields(replay.Attacker)}
+  extra = {"source": {"hf_dir": str(hf_dir)}} if "source" in fields else {}
+  return replay.Attacker(params, cfg, "tiny", cal, knowledge, **extra)
+
+
+def budget() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(candidates=8, beam_width=2, c_a=4, c_g=4,
+                                        ridge_alpha=1e-3, shuffle_seed=17))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("replay")
+  params = random_params(CFG, seed=3, std=0.05)
+  hf_io.save_hf_dir(params, CFG, root / "hf")
+  params, _ = hf_io.load_hf_dir(root / "hf")   # exactly what the binary will load
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+  cal = rng.integers(0, CFG.vocab_size, (24, T)).astype(np.int32)
+  np.save(root / "cal.npy", cal)
+  for name, training in (("cap", True), ("cap_inference", False)):
+    capture.capture_target(str(root / name), params, CFG, tokens, range(B), K, model_id="tiny",
+                           training=training, batch_size=5)
+  attacker = make_attacker(params, CFG, cal, root / "hf")
+  return root, attacker, tokens
+
+
+def run(root, attacker, name, attacks=ATTACKS, capture_dir="cap", **kw):
+  return replay.replay(str(root / name), str(root / capture_dir), attacker, attacks, budget(),
+                       seed=0, mesh=kw.pop("mesh", None), **kw)
+
+
+def prediction_bytes(run_dir) -> dict[str, bytes]:
+  pred = pathlib.Path(run_dir) / rundir.PREDICTIONS
+  return {p.stem: p.read_bytes() for p in sorted(pred.glob("*.npy"))}
+
+
+def tree_state(directory) -> dict[str, tuple[str, int]]:
+  """relative path -> (sha256, mtime_ns) of every file."""
+  out = {}
+  for p in sorted(pathlib.Path(directory).rglob("*")):
+    if p.is_file():
+      out[str(p.relative_to(directory))] = (hashlib.sha256(p.read_bytes()).hexdigest(),
+                                            p.stat().st_mtime_ns)
+  return out
+
+
+def log_events(run_dir) -> list[dict]:
+  return [e["event"] for e in rundir.log(str(run_dir)).entries()]
+
+
+@pytest.fixture(scope="module")
+def reference_run(setup):
+  root, attacker, tokens = setup
+  records = run(root, attacker, "run_a")
+  return root / "run_a", records
+
+
+def test_replay_twice_is_bit_identical(setup, reference_run):
+  root, attacker, tokens = setup
+  run_a, records_a = reference_run
+  records_b = run(root, attacker, "run_b")
+  assert [r.status for r in records_a] == ["ok"] * len(ATTACKS)
+  a, b = prediction_bytes(run_a), prediction_bytes(root / "run_b")
+  assert sorted(a) == sorted(ATTACKS) and a == b
+  assert [r.prediction_sha256 for r in records_a] == [r.prediction_sha256 for r in records_b]
+  for r in records_a:
+    assert r.prediction_sha256 == files.sha256_file(str(run_a / r.prediction_file))
+  # The attacks do something on this capture: activation-only recovers most tokens.
+  act = np.load(run_a / "predictions" / "activation.npy")
+  assert act.shape == (B, T) and np.mean(act == tokens) > 0.5
+  # Before finalize only the (unwritten) manifest and unsealed log are flagged.
+  problems = rundir.verify(str(run_a), check_capture=True)
+  assert not [p for p in problems if "predictions/" in p or "record" in p or "capture" in p]
+
+
+def test_resume_reuses_finished_attacks(setup, reference_run, tmp_path):
+  root, attacker, _ = setup
+  run_dir = tmp_path / "run"
+  shutil.copytree(reference_run[0], run_dir)
+  before = tree_state(run_dir)
+  joint_bytes = (run_dir / "predictions" / "joint.npy").read_bytes()
+  (run_dir / "records" / "joint.json").unlink()
+  (run_dir / "predictions" / "joint.npy").unlink()
+  events_before = len(log_events(run_dir))
+  records = replay.replay(str(run_dir), str(root / "cap"), attacker, ATTACKS, budget(), seed=0,
+                          mesh=None)
+  assert [r.status for r in records] == ["ok"] * len(ATTACKS)
+  new = log_events(run_dir)[events_before:]
+  assert [(e["type"], e["file"]) for e in new] == [("predictions", "predictions/joint.npy"),
+                                                    ("record", "records/joint.json")]
+  after = tree_state(run_dir)
+  for path, state in before.items():
+    if "joint" not in path and path != rundir.LOG:
+      assert after[path] == state, f"{path} was rewritten"
+  assert (run_dir / "predictions" / "joint.npy").read_bytes() == joint_bytes
+  # An orphaned prediction (record never written) is discarded, logged and recomputed.
+  (run_dir / "records" / "ridge.json").unlink()
+  replay.replay(str(run_dir), str(root / "cap"), attacker, ATTACKS, budget(), seed=0, mesh=None)
+  types = [e["type"] for e in log_events(run_dir)[len(new) + events_before:]]
+  assert types == ["discard_orphan", "predictions", "record"]
+  # Changed predictions under a finished record: refuse to resume over them.
+  np.save(run_dir / "predictions" / "activation.npy", np.zeros((B, T), np.int32))
+  with pytest.raises(ValueError, match="predictions/activation.npy: predictions missing or changed"):
+    replay.replay(str(run_dir), str(root / "cap"), attacker, ATTACKS, budget(), seed=0, mesh=None)
+
+
+class _Boom:
+  spec = registry.AttackSpec("boom_test", "test", ("activations",), budget_fields=())
+
+  def __call__(self, ws, budget, key):
+    raise RuntimeError("deliberate failure in boom_test")
+
+
+class _Fixed:
+  spec = _Boom.spec
+
+  def __call__(self, ws, budget, key):
+    return registry.AttackResult(np.zeros((ws.num_docs, ws.seq_len), np.int32), 1.0, "analytic",
+                                 1.0)
+
+
+def test_crashed_module_is_recorded_and_retried(setup, tmp_path, monkeypatch):
+  root, attacker, _ = setup
+  registry.names()  # load the built-ins before patching
+  monkeypatch.setitem(registry._REGISTRY, "boom_test", _Boom())
+  run_dir = tmp_path / "run"
+  records = replay.replay(str(run_dir), str(root / "cap"), attacker, ["ridge", "boom_test"],
+                          budget(), seed=0, mesh=None)
+  assert [r.status for r in records] == ["ok", "crashed"]
+  assert records[1].error == "RuntimeError: deliberate failure in boom_test"
+  assert records[1].prediction_file is None and not (run_dir / "predictions" / "boom_test.npy").exists()
+  ridge_state = tree_state(run_dir)["predictions/ridge.npy"]
+  monkeypatch.setitem(registry._REGISTRY, "boom_test", _Fixed())
+  records = replay.replay(str(run_dir), str(root / "cap"), attacker, ["ridge", "boom_test"],
+                          budget(), seed=0, mesh=None)
+  assert [r.status for r in records] == ["ok", "ok"]
+  assert tree_state(run_dir)["predictions/ridge.npy"] == ridge_state
+  retries = [e for e in log_events(run_dir) if e["type"] == "retry"]
+  assert retries == [{"type": "retry", "attack": "boom_test", "previous_status": "crashed"}]
+  monkeypatch.delitem(registry._REGISTRY, "boom_test")
+  assert "boom_test" not in registry.names()
+
+
+def test_chunking_invariance(setup, reference_run):
+  root, attacker, _ = setup
+  run_a, _ = reference_run
+  ws = Workspace(np.zeros((B, T, CFG.n_embd), np.float32), None, attacker.params, CFG, K,
+                 attacker.calibration_tokens)
+  ragged = int(3.5 * beam_attacks.beam_bytes_per_doc(ws, 2, 8))  # beam chunks 3, 3, 3, 1+pad
+  for name, mem in (("run_chunk1", 1), ("run_chunk3", ragged)):
+    run(root, attacker, name, attacks=STAGES, memory_budget_bytes=mem)
+    reference = {k: v for k, v in prediction_bytes(run_a).items() if k in STAGES}
+    assert prediction_bytes(root / name) == reference, name
+
+
+_SHARDED = textwrap.dedent("""
+    import sys, jax, ml_collections, numpy as np
+    from lla.attacks import replay
+    from lla.model import hf_io
+    from test_attacks_replay import make_attacker
+    root, attacks = sys.argv[1], sys.argv[2].split(",")
+    assert jax.device_count() == 8, jax.devices()
+    params, cfg = hf_io.load_hf_dir(root + "/hf")
+    attacker = make_attacker(params, cfg, np.load(root + "/cal.npy"), root + "/hf")
+    budget = ml_collections.ConfigDict(dict(candidates=8, beam_width=2, c_a=4, c_g=4,
+                                            ridge_alpha=1e-3, shuffle_seed=17))
+    replay.replay(root + "/run_sharded", root + "/cap", attacker, attacks, budget, seed=0,
+                  mesh="auto")
+    print("sharded over", jax.device_count())
+""")
+
+
+def test_sharded_replay_matches_single_device(setup, reference_run):
+  root, _, _ = setup
+  run_a, _ = reference_run
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+  proc = subprocess.run([sys.executable, "-c", _SHARDED, str(root), ",".join(STAGES)],
+                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "sharded over 8" in proc.stdout
+  reference = {k: v for k, v in prediction_bytes(run_a).items() if k in STAGES}
+  assert prediction_bytes(root / "run_sharded") == reference
+
+
+def _replay_binary(root, capture_dir, workdir, attacks):
+  cmd = [sys.executable, "-m", "experiments.replay", "--config=configs/replay.py",
+         f"--config.capture_dir={capture_dir}", f"--config.attacker.hf_dir={root / 'hf'}",
+         f"--config.calibration.tokens_npy={root / 'cal.npy'}", f"--config.attacks={attacks}",
+         "--config.budget.candidates=8", "--config.budget.c_a=4", "--config.budget.c_g=4",
+         f"--workdir={workdir}"]
+  return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_replay_binary_refuses_bad_inputs_and_keeps_the_run(setup, reference_run, tmp_path):
+  root, _, _ = setup
+  run_a, _ = reference_run
+  workdir = tmp_path / "run"
+  shutil.copytree(run_a, workdir)
+  before = tree_state(workdir)
+  truncated = tmp_path / "cap_truncated"
+  shutil.copytree(root / "cap", truncated)
+  data = (truncated / store.MESSAGES_FILE).read_bytes()
+  (truncated / store.MESSAGES_FILE).write_bytes(data[:len(data) // 2])
+  proc = _replay_binary(root, truncated, workdir, "activation")
+  assert proc.returncode != 0
+  assert "manifest check failed" in proc.stderr and "messages.safetensors" in proc.stderr
+  proc = _replay_binary(root, root / "cap_inference", workdir, "activation,joint")
+  assert proc.returncode != 0
+  assert "'joint' needs gradients" in proc.stderr and "cap_inference" in proc.stderr
+  assert tree_state(workdir) == before
+
+
+def _corrupt(root, tmp_path, name, edit):
+  """A copy of the training capture with `edit(dir)` applied and the manifest rewritten."""
+  out = tmp_path / name
+  shutil.copytree(root / "cap", out)
+  edit(out)
+  (out / manifest.MANIFEST_NAME).unlink()
+  manifest.write_manifest(str(out))
+  return out
+
+
+def test_replay_refuses_bad_inputs_in_process(setup, reference_run, tmp_path):
+  root, attacker, _ = setup
+  run_a, _ = reference_run
+  workdir = tmp_path / "run"
+  shutil.copytree(run_a, workdir)
+  before = tree_state(workdir)
+
+  def nan_activations(d):
+    m = load_file(str(d / store.MESSAGES_FILE))
+    m["activations"][1, 2, 3] = np.nan
+    (d / store.MESSAGES_FILE).unlink()
+    save_file(m, str(d / store.MESSAGES_FILE))
+
+  def short_gradients(d):
+    m = load_file(str(d / store.MESSAGES_FILE))
+    m["gradients"] = np.ascontiguousarray(m["gradients"][:, :-1])
+    (d / store.MESSAGES_FILE).unlink()
+    save_file(m, str(d / store.MESSAGES_FILE))
+
+  cases = [
+      (_corrupt(root, tmp_path, "nan", nan_activations), store.CaptureError,
+       r"messages.safetensors: activations contain NaN or Inf \(1 values\)"),
+      (_corrupt(root, tmp_path, "shape", short_gradients), store.CaptureError,
+       r"messages.safetensors: gradients shape \(10, 7, 32\) != activations shape"),
+  ]
+  for capture_dir, error, message in cases:
+    with pytest.raises(error, match=message):
+      replay.replay(str(workdir), str(capture_dir), attacker, ["activation"], budget(), seed=0,
+                    mesh=None)
+  with pytest.raises(registry.IncompatibleCaptureError, match="'gradient_only' needs gradients"):
+    run(root, attacker, str(workdir), attacks=["gradient_only"], capture_dir="cap_inference")
+  short_cal = make_attacker(attacker.params, CFG, attacker.calibration_tokens[:, :4],
+                            root / "hf")
+  with pytest.raises(ValueError, match="calibration documents have T=4, capture .* has T=8"):
+    run(root, short_cal, str(workdir), attacks=["activation"])
+  other_budget = budget()
+  other_budget.beam_width = 3
+  with pytest.raises(ValueError, match="belongs to another protocol tuple"):
+    replay.replay(str(workdir), str(root / "cap"), attacker, ["activation"], other_budget,
+                  seed=0, mesh=None)
+  with pytest.raises(KeyError, match="no attack named 'nope'"):
+    run(root, attacker, str(workdir), attacks=["nope"])
+  assert tree_state(workdir) == before
