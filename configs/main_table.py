@@ -85,7 +85,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ("mixup", "m", (2,) if tiny else (2, 4)),
       ("projection", "enabled", (True,)),
       ("gradient_clip_noise", "clip_norm", (0.01,)),
+      ("nopeek", "alpha", (1.0,)),
   )
+  # Defenses kept in the loop while the target is fine-tuned again from the base (the
+  # server adapts; NoPeek also trains the client); the rest act on a fixed target.
+  config.defense_finetune = ("mixup", "projection", "gradient_clip_noise", "nopeek") \
+      if not paper else ("gaussian", "topk", "quantize", "mixup", "projection",
+                         "gradient_clip_noise", "nopeek")
   # The decoy-row training split (PROTOCOL section 7): its small variant (synthetic tokens,
   # a 2-layer model) on CPU, 3 seeds so that its gate can decide; paper: 9 seeds of `cpu`.
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")

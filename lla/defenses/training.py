@@ -13,6 +13,8 @@ mark it static. Zero strength gives exactly the undefended loss, gradients and m
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -88,3 +90,18 @@ def defended_messages(params, cfg: GPT2Config, tokens: jax.Array, k: int, defens
   if not defense.off and defense.acts_on == "gradients":
     g = defense.transform(g, key)
   return wire, g
+
+
+@dataclasses.dataclass(frozen=True)
+class DefendedStepLoss:
+  """`defended_loss` as a training loop's `loss_fn(params, cfg, tokens, step)`.
+
+  Frozen and hashable, so compiled training steps are cached per (defense, cut).
+  """
+
+  defense: Defense
+  k: int
+
+  def __call__(self, params, cfg: GPT2Config, tokens: jax.Array, step: jax.Array) -> jax.Array:
+    key = self.defense.step_key(step) if self.defense.has_secret else None
+    return defended_loss(params, cfg, tokens, self.k, self.defense, key)

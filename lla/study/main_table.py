@@ -174,7 +174,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase("corpus study")
   corpus_study(config, workdir, study, base, base_source)
   _phase("defenses")
-  defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits)
+  defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits, base)
   _phase("decoy-row training split")
   decoy_run.run(config.decoy, str(workdir / DECOY))
   _phase("scoring")

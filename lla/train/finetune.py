@@ -49,7 +49,8 @@ def num_steps(config: ml_collections.ConfigDict, n_train: int) -> int:
 
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
              splits: data.Splits | None = None,
-             base: tuple[dict, object, dict] | None = None) -> list[ckpt.Checkpoint]:
+             base: tuple[dict, object, dict] | None = None,
+             defense=None) -> list[ckpt.Checkpoint]:
   """Fine-tunes (or reuses) one model per seed; returns their checkpoints in seed order.
 
   Args:
@@ -57,11 +58,19 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     workdir: run directory; seed s goes to `workdir/seed_{s}`.
     splits: overrides `load_splits(**config.data)` (tests).
     base: (params, cfg, provenance) overriding `models.load_base(config.model)` (tests).
+    defense: an `lla.defenses` defense kept in the loop while fine-tuning (its mechanism
+      on h, mixed labels, clipped gradients or the NoPeek term); recorded by its public
+      description only.
 
   Raises:
     ValueError: a cached seed was made with a different config or base.
   """
   run_config = json_config(config)
+  loss_fn = loop.lm_step_loss
+  if defense is not None:
+    from lla.defenses.training import DefendedStepLoss  # Only defended fine-tunes need it.
+    run_config = {**run_config, "defense": defense.to_record()}
+    loss_fn = DefendedStepLoss(defense, int(config.k))
   if splits is None:
     splits = data.load_splits_from_config(config.data)
   params, cfg, provenance = models.load_base(config.model) if base is None else base
@@ -77,7 +86,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     def create(seed=seed):
       result = loop.train(params, cfg, tokens, optimizer=config.optimizer, num_steps=steps,
                           batch_size=config.batch_size, seed=seed, trainable=trainable,
-                          log_every=config.log_every, desc=f"finetune seed {seed}")
+                          log_every=config.log_every, desc=f"finetune seed {seed}",
+                          loss_fn=loss_fn)
       held_out = loop.evaluate(result.params, cfg, splits.evaluation.tokens,
                                config.eval_batch_size)
       logging.info("seed %d: held-out CE %.4f -> %.4f", seed, base_eval["ce"], held_out["ce"])

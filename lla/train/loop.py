@@ -100,18 +100,25 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   return optax.multi_transform({_TRAIN: adamw, _FREEZE: optax.set_to_zero()}, labels)
 
 
-def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
-                    trainable=None) -> Callable:
-  """A jitted `(params, opt_state, tokens [B, T]) -> (params, opt_state, loss)`.
+def lm_step_loss(params, cfg: GPT2Config, tokens: jax.Array, step: jax.Array) -> jax.Array:
+  """The undefended loss; `step` (for per-step randomness of other losses) is unused."""
+  del step
+  return split.lm_loss(params, cfg, tokens)
 
-  Frozen leaves are returned as the input arrays themselves rather than `p + 0`, which would
-  turn -0.0 into +0.0.
+
+def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
+                    trainable=None, loss_fn: Callable = lm_step_loss) -> Callable:
+  """A jitted `(params, opt_state, tokens [B, T], step) -> (params, opt_state, loss)`.
+
+  `loss_fn(params, cfg, tokens, step)` is the objective (a defense in the loop draws its
+  step's randomness from `step`). Frozen leaves are returned as the input arrays themselves
+  rather than `p + 0`, which would turn -0.0 into +0.0.
   """
   keep = None if trainable is None else jax.tree.leaves(trainable)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(split.lm_loss)(params, cfg, tokens)
+  def step(params, opt_state, tokens, step_index):
+    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, step_index)
     updates, opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if keep is not None:
@@ -125,12 +132,14 @@ def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
 
 @functools.lru_cache(maxsize=8)
 def _cached_optimizer_and_step(cfg: GPT2Config, optimizer_json: str, num_steps: int,
-                               treedef, trainable_leaves: tuple[bool, ...] | None):
-  """One compilation per (model, optimiser, schedule, mask): seeds of a fine-tune share it."""
+                               treedef, trainable_leaves: tuple[bool, ...] | None,
+                               loss_fn: Callable):
+  """One compilation per (model, optimiser, schedule, mask, loss): seeds of a fine-tune
+  share it."""
   optimizer = ml_collections.ConfigDict(json.loads(optimizer_json))
   trainable = None if trainable_leaves is None else jax.tree.unflatten(treedef, trainable_leaves)
   tx = make_optimizer(optimizer, num_steps, trainable)
-  return tx, make_train_step(cfg, tx, trainable)
+  return tx, make_train_step(cfg, tx, trainable, loss_fn)
 
 
 def batches(tokens: np.ndarray, batch_size: int, seed: int) -> Iterator[np.ndarray]:
@@ -157,7 +166,8 @@ class TrainResult:
 
 def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collections.ConfigDict,
           num_steps: int, batch_size: int, seed: int, trainable=None, log_every: int = 50,
-          progress: bool = True, desc: str = "train") -> TrainResult:
+          progress: bool = True, desc: str = "train",
+          loss_fn: Callable = lm_step_loss) -> TrainResult:
   """Trains `params` for `num_steps` AdamW steps on seeded batches of `tokens`.
 
   Args:
@@ -172,11 +182,14 @@ def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collecti
     log_every: steps between logged mean losses (the last step is always logged).
     progress: show a tqdm bar.
     desc: label of the bar and log lines.
+    loss_fn: `(params, cfg, tokens, step) -> scalar`; hashable (a module-level function or
+      a dataclass), since compiled steps are cached per loss.
   """
   treedef = jax.tree.structure(params)
   tx, step_fn = _cached_optimizer_and_step(
       cfg, optimizer.to_json(sort_keys=True), num_steps, treedef,
-      None if trainable is None else tuple(bool(t) for t in jax.tree.leaves(trainable)))
+      None if trainable is None else tuple(bool(t) for t in jax.tree.leaves(trainable)),
+      loss_fn)
   schedule = lr_schedule(optimizer, num_steps)
   # Donation consumes the step's inputs; copy so that the caller's params survive.
   params = jax.tree.map(jnp.array, params)
@@ -185,7 +198,7 @@ def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collecti
   data = batches(np.asarray(tokens, np.int32), batch_size, seed)
   bar = tqdm.trange(num_steps, desc=desc, disable=not progress)
   for i in bar:
-    params, opt_state, loss = step_fn(params, opt_state, next(data))
+    params, opt_state, loss = step_fn(params, opt_state, next(data), np.int32(i))
     pending.append(loss)
     if (i + 1) % log_every == 0 or i + 1 == num_steps:
       mean = float(np.mean(jax.device_get(pending)))
