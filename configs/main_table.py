@@ -73,7 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
   # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
   config.defense_cut = 2 if tiny else 6
-  config.defense_docs = 8 if tiny else 64  # Evaluation documents per defended capture.
+  config.defense_docs = 8 if tiny else (256 if paper else 48)  # Documents per defended capture.
   config.defense_attacks = ("activation", "joint")
   # Defense-aware variants (ridge refitted on calibration passed through the mechanism).
   config.defense_aware_attacks = ("activation_defense_aware", "joint_defense_aware") \

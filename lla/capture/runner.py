@@ -8,20 +8,13 @@ import numpy as np
 from lla.capture import capture
 from lla.data import load as data_load
 from lla.data.passages import token_sha256
+from lla.evidence import files
 from lla.model.loading import load_model
 
 
 def load_tokens_npy(path: str) -> np.ndarray:
-  """A user's token ids: an .npy of [B, T] integers (never unpickled)."""
-  try:
-    tokens = np.load(path, allow_pickle=False)
-  except FileNotFoundError:
-    raise FileNotFoundError(f"{path}: token file not found") from None
-  except ValueError as e:
-    raise ValueError(f"{path}: not a readable .npy array ({e})") from None
-  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"{path}: expected [B, T] integer token ids, got {tokens.dtype} {tokens.shape}")
-  return tokens.astype(np.int32)
+  """A user's token ids: an .npy of [B, T] integers (never unpickled), as int32."""
+  return files.load_token_matrix(path, "token ids").astype(np.int32)
 
 
 def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:

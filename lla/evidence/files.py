@@ -12,6 +12,8 @@ import json
 import os
 import tempfile
 
+import numpy as np
+
 _BLOCK = 1 << 20
 
 
@@ -78,3 +80,16 @@ def read_json(path: str):
     raise FileNotFoundError(f"{path}: file not found") from None
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_token_matrix(path: str, what: str):
+  """A [B, T] integer .npy (token ids or predictions), never unpickled; errors name `path`."""
+  try:
+    arr = np.load(path, allow_pickle=False)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path}: {what} file not found") from None
+  except ValueError as e:
+    raise ValueError(f"{path}: not a readable .npy array ({e})") from None
+  if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{path}: expected [B, T] integer {what}, got {arr.dtype}{list(arr.shape)}")
+  return arr

@@ -128,16 +128,7 @@ def resolve(run_dir: str, path: str) -> str:
 
 
 def load_predictions(path: str) -> np.ndarray:
-  try:
-    arr = np.load(path, allow_pickle=False)
-  except FileNotFoundError:
-    raise FileNotFoundError(f"{path}: predictions file not found") from None
-  except ValueError as e:
-    raise ValueError(f"{path}: not a readable .npy array ({e})") from None
-  if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{path}: expected [B, T] integer predictions, got "
-                     f"{arr.dtype}{list(arr.shape)}")
-  return arr
+  return files.load_token_matrix(path, "predictions")
 
 
 def load_truth(path: str) -> np.ndarray:
