@@ -38,7 +38,7 @@ from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
 from lla.train.checkpoint import params_sha256
 
-STUDY, CAPTURES, DECOY = "study", "captures", "decoy"
+STUDY, CAPTURES, DECOY, TIMING = "study", "captures", "decoy", "timing.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +140,19 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                   run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
 
 
+def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
+  """timing.json: when each invocation started and (if it got there) finished, so that a
+  killed and resumed run reports its whole elapsed time."""
+  path = workdir / TIMING
+  invocations = files.read_json(str(path))["invocations"] if path.exists() else []
+  if event == "started_unix":
+    invocations.append({"started_unix": when, "finished_unix": None})
+  else:
+    invocations[-1]["finished_unix"] = when
+  workdir.mkdir(parents=True, exist_ok=True)
+  files.atomic_write_json(str(path), {"invocations": invocations}, overwrite=True)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   """Runs (or resumes) the whole main job; returns the report's path."""
   from lla.study import report
@@ -153,6 +166,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
     _phase("report (study already finished and verified)")
     return report.render(config, workdir)
 
+  _log_invocation(workdir, "started_unix", start)
   _phase("pretrain / base model")
   base, base_source = base_model(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
@@ -183,7 +197,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
                       overwrite=True)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
-  files.atomic_write_json(str(workdir / "timing.json"), {"wall_s": time.time() - start},
-                          overwrite=True)
+  _log_invocation(workdir, "finished_unix", time.time())
   _phase("report")
   return report.render(config, workdir)

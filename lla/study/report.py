@@ -197,7 +197,9 @@ def render(config, workdir) -> pathlib.Path:
   (out / "frontier.json").write_text(json.dumps(points, indent=1, sort_keys=True) + "\n")
   frontier_figure(points, out / "frontier.png")
   timing = workdir / "timing.json"
-  wall = json.loads(timing.read_text())["wall_s"] if timing.exists() else None
+  invocations = json.loads(timing.read_text())["invocations"] if timing.exists() else []
+  finished = [i["finished_unix"] for i in invocations if i["finished_unix"]]
+  wall = finished[-1] - invocations[0]["started_unix"] if finished else None
   scorecard_md = scorecard.markdown(card)
   lines = [
       f"# lla main table ({config.variant})", "",
@@ -206,7 +208,8 @@ def render(config, workdir) -> pathlib.Path:
       f"Target: {config.model.name}, (k, knowledge) {[tuple(s) for s in config.settings]}, {config.finetune.num_models} "
       f"fine-tuned models, {config.data.n_eval} evaluation documents of T = {config.data.seq_len}. "
       f"Scorecard `{card['e_hash'][:16]}`; wall time "
-      f"{'—' if wall is None else f'{wall / 60:.1f} min'}.", "",
+      f"{'—' if wall is None else f'{wall / 60:.1f} min'} elapsed over {len(invocations)} "
+      f"invocation(s) (each interruption and resume adds one).", "",
       "## Main table (pooled over models and attack seeds)", "", *main_table(card), "",
       seed_figures.WHY_DIFFERENT, "",
       "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
