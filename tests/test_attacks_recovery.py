@@ -10,7 +10,6 @@ Also: the workspace's candidate stages against a float64 numpy pipeline (>= 99.9
 agreement, PROTOCOL section 4) and FLOP accounting.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest

@@ -18,7 +18,6 @@ from lla.attacks import beam
 from lla.attacks import candidates as cand_lib
 from lla.attacks import ridge
 from lla.attacks.workspace import map_documents
-from lla.model import split
 from lla.model.gpt2 import GPT2Config, init_params
 
 

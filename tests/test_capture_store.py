@@ -158,7 +158,6 @@ def test_load_refuses_tampered_and_malformed_files(good, tmp_path):
 
 
 def test_capture_target_is_deterministic_and_validates(tmp_path):
-  from lla.model.gpt2 import init_params  # noqa: F401  (structure only, via the units helper)
   from test_attacks_units import random_params
   cfg = GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_head=2, n_layer=2)
   params = random_params(cfg, seed=1)

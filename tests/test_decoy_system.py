@@ -1,7 +1,6 @@
 """The decoy-row split (lla.decoy): gauge, UCN symmetry, zero decoy gradients, attacks."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,7 +1,6 @@
 """End to end: the main job on the tiny config, then verify / rescore / regenerate."""
 
 import json
-import pathlib
 
 import pytest
 

@@ -26,11 +26,10 @@ class BeamAttack:
   spec: registry.AttackSpec
   candidates_of: CandidateFn
   stages: tuple[str, ...]
-  width_of: Callable[[Workspace, object], int] = lambda ws, budget: int(budget.beam_width)
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     candidates = self.candidates_of(ws, budget, key)
-    width = self.width_of(ws, budget)
+    width = int(budget.beam_width)
     predictions, xla, analytic = run_beam(ws, candidates, width)
     stage_costs = [ws.costs[s] for s in self.stages]
     total_analytic = analytic + sum(c.analytic for c in stage_costs)

@@ -52,16 +52,18 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
 
 def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
   """Recomputes every measured record's predictions; returns mismatches (empty if all equal)."""
+  # Keyed by capture too: one protocol tuple may be replayed on several captures of it.
   problems, workspaces = [], {}
   for record in rundir.load_records(run_dir):
     if record.status != "ok":
       continue
     e = _protocol(run_dir, record.e_hash)
-    if record.e_hash not in workspaces:
-      workspaces[record.e_hash] = _workspace(run_dir, record, e, memory_budget_bytes)
+    key = (record.e_hash, record.capture_sha256)
+    if key not in workspaces:
+      workspaces[key] = _workspace(run_dir, record, e, memory_budget_bytes)
     budget = ml_collections.ConfigDict({k: e["B"][k] for k in (
         "candidates", "beam_width", "c_a", "c_g", "ridge_alpha", "shuffle_seed")})
-    result = registry.get(record.attack)(workspaces[record.e_hash], budget,
+    result = registry.get(record.attack)(workspaces[key], budget,
                                          jax.random.key(record.seed))
     stored = rundir.load_predictions(rundir.resolve(run_dir, record.prediction_file))
     if not np.array_equal(result.predictions, stored):

@@ -39,12 +39,15 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                    split_hashes: dict | None = None, training: bool = True,
                    batch_size: int = 32, session_id: str | None = None,
                    messages=None, defense: str = "none", defense_params: dict | None = None,
+                   defense_seed_sha256: str = "",
                    extra_metadata: dict | None = None) -> str:
   """Runs the split on `tokens` [B, T] and writes a capture; returns its manifest sha256.
 
   Args:
     messages: optional precomputed (h, g) — a defense transforms them before storage.
     defense, defense_params: the defense that produced `messages` (public parameters only).
+    defense_seed_sha256: hash of its secret seed, so that two instances of one defense
+      configuration (the gate's seeds) are distinct targets in E.
   """
   tokens = np.asarray(tokens)
   if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -61,6 +64,7 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
   e = protocol.make(
       T=protocol.Target(model_id=model_id, cut=cut, defense=defense,
                         defense_params=protocol.frozen(defense_params or {}),
+                        defense_seed_sha256=defense_seed_sha256,
                         n_layer=cfg.n_layer),
       O=protocol.Observations(activations=True, gradients=g is not None),
       C=protocol.Corpora(name=corpus, seq_len=int(tokens.shape[1]),

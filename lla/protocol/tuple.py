@@ -42,6 +42,7 @@ class Target:
   cut: int                      # k
   defense: str = "none"
   defense_params: tuple = ()    # frozen dict of the defense's public parameters
+  defense_seed_sha256: str = "" # hash of the defender's secret seed: one instance of it
   n_layer: int = 0
 
 

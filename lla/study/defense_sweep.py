@@ -97,8 +97,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
         split_hashes={n: p.sha256 for n, p in splits.items()}, training=True,
         messages=defended_messages(t.params, t.cfg, tokens, cut, dfn,
                                    int(config.capture_batch_size)),
-        defense=name, defense_params={**r["params"], "strength": r["strength"], "label": label,
-                                      "fine_tuned_with_defense": name in config.defense_finetune}))
+        defense=name, defense_seed_sha256=r.get("secret_seed_sha256", ""),
+        defense_params={**r["params"], "strength": r["strength"], "label": label,
+                        "fine_tuned_with_defense": name in config.defense_finetune}))
     attacker = target.attacker(splits.calibration.tokens)
     mimic = {"name": name, "params": record["params"],
              "attacker_seed": secret_seed("attacker/" + name, strength, target.model_seed)}

@@ -92,7 +92,7 @@ def recovery_figure(card: dict, path: pathlib.Path) -> None:
                 (100 * m["token_recovery"], 100 * m["exact_doc_recovery"]), fontsize=6)
   ax.set_xlabel("token recovery (%)")
   ax.set_ylabel("exact document recovery (%)")
-  ax.set_title("Average token scores hide exactly recovered documents")
+  ax.set_title("Exact-document against token recovery (k, public/trained)")
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
