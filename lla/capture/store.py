@@ -63,23 +63,23 @@ class Capture:
     return list(self.metadata["document_ids"])
 
 
+def _check_float_message(name: str, label: str, message: np.ndarray) -> None:
+  if message.dtype != np.float32:
+    raise CaptureError(f"{name}: {label} must be float32, got {message.dtype}")
+  if not np.isfinite(message).all():
+    raise CaptureError(f"{name}: {label} contain NaN or Inf "
+                       f"({int((~np.isfinite(message)).sum())} values)")
+
+
 def _check_messages(name: str, activations, gradients, tokens) -> None:
   if activations.ndim != 3:
     raise CaptureError(f"{name}: activations must be [B, T, d], got shape {activations.shape}")
-  if activations.dtype != np.float32:
-    raise CaptureError(f"{name}: activations must be float32, got {activations.dtype}")
-  if not np.isfinite(activations).all():
-    raise CaptureError(f"{name}: activations contain NaN or Inf "
-                       f"({int((~np.isfinite(activations)).sum())} values)")
+  _check_float_message(name, "activations", activations)
   if gradients is not None:
     if gradients.shape != activations.shape:
       raise CaptureError(f"{name}: gradients shape {gradients.shape} != activations "
                          f"shape {activations.shape}")
-    if gradients.dtype != np.float32:
-      raise CaptureError(f"{name}: gradients must be float32, got {gradients.dtype}")
-    if not np.isfinite(gradients).all():
-      raise CaptureError(f"{name}: gradients contain NaN or Inf "
-                         f"({int((~np.isfinite(gradients)).sum())} values)")
+    _check_float_message(name, "gradients", gradients)
   if tokens is not None:
     if tokens.shape != activations.shape[:2] or tokens.dtype != np.int32:
       raise CaptureError(f"{name}: tokens must be int32 {activations.shape[:2]}, got "
