@@ -31,12 +31,7 @@ class BeamAttack:
     candidates = self.candidates_of(ws, budget, key)
     width = int(budget.beam_width)
     predictions, xla, analytic = run_beam(ws, candidates, width)
-    stage_costs = [ws.costs[s] for s in self.stages]
-    total_analytic = analytic + sum(c.analytic for c in stage_costs)
-    if xla is not None and all(c.source == "xla" for c in stage_costs):
-      return registry.AttackResult(predictions, xla + sum(c.flops for c in stage_costs), "xla",
-                                   total_analytic)
-    return registry.AttackResult(predictions, total_analytic, "analytic", total_analytic)
+    return registry.AttackResult(predictions, *ws.charge(self.stages, xla, analytic))
 
 
 def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:

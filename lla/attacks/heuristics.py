@@ -22,10 +22,7 @@ class OneShotAttack:
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     predictions = self.predict(ws, budget).astype(np.int32)
-    costs = [ws.costs[s] for s in self.stages]
-    source = "xla" if all(c.source == "xla" for c in costs) else "analytic"
-    flops = sum(c.flops if source == "xla" else c.analytic for c in costs)
-    return registry.AttackResult(predictions, flops, source, sum(c.analytic for c in costs))
+    return registry.AttackResult(predictions, *ws.charge(self.stages))
 
 
 def _ridge(ws: Workspace, budget) -> np.ndarray:

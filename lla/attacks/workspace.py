@@ -131,6 +131,15 @@ class Workspace:
   def chunk_for(self, bytes_per_doc: float) -> int:
     return max(1, int(self.memory_budget_bytes // max(bytes_per_doc, 1.0)))
 
+  def charge(self, stages, own_xla: float | None = None, own_analytic: float = 0.0):
+    """(flops, source, analytic) of an attack's own work plus the full cost of the shared
+    stages it used: XLA's count when every part has one, else the analytic count."""
+    costs = [self.costs[s] for s in stages]
+    analytic = own_analytic + sum(c.analytic for c in costs)
+    if own_analytic and own_xla is None or any(c.source != "xla" for c in costs):
+      return analytic, "analytic", analytic
+    return (own_xla or 0.0) + sum(c.flops for c in costs), "xla", analytic
+
   def _record(self, stage: str, xla: float | None, analytic: float) -> None:
     self.costs[stage] = StageCost(xla if xla is not None else analytic,
                                   "xla" if xla is not None else "analytic", analytic)
