@@ -14,6 +14,7 @@ with no calibration .npy, the calibration split of lla.data.
 import ml_collections
 
 from configs import models
+from lla.attacks import budget
 from lla.data import load as data_load
 
 
@@ -30,14 +31,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.calibration.tokens_npy = ""
   # Comma-separated registered attack names (lla.attacks.registry.names()).
   config.attacks = "activation,joint,gradient_only,gradient_only_t1,shuffled_gradients,random_candidates"
-  config.budget = ml_collections.ConfigDict()
-  config.budget.candidates = 32  # C: activation candidates per position.
-  config.budget.beam_width = 2  # W.
-  config.budget.c_a = 16  # Joint attack: activation candidates at t >= 1.
-  config.budget.c_g = 16  # Joint attack: gradient-ranked candidates at t >= 1.
-  config.budget.ridge_alpha = 1e-3  # lam = ridge_alpha * trace(Hc^T Hc) / d.
-  config.budget.shuffle_seed = 17  # Derangement of the shuffled-gradient control.
-  config.seed = 0  # Attack seed (random-candidate control).
+  # Every declared budget field at its default (lla.attacks.budget: the published values;
+  # `python -c "from lla.attacks import budget; print(budget.config())"` lists them). A
+  # field changed here must be read by one of the requested attacks.
+  config.budget = budget.config()
+  # Modules outside lla that register attacks, comma-separated ("pkg.module,..."), and
+  # their budget fields as "name=value,..." (declared by the plugin, so not in `budget`).
+  config.plugins = ""
+  config.plugin_budget = ""
+  config.seed = 0  # Attack seed: every attack's randomness derives from it.
   config.model_seed = 0  # Which fine-tuned target this capture came from (for the bootstrap).
   # Defended captures: run_id prefix of the linked undefended reference run; each attack
   # links prefix + its name.

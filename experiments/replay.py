@@ -15,8 +15,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it ex
 
 def main(argv):
   del argv
-  for record in replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value):
+  records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
+  for record in records:
     print(f"{record.attack:24s} {record.status:8s} flops={record.flops} wall_s={record.wall_s}")
+  crashed = [r.attack for r in records if r.status != "ok"]
+  if crashed:
+    raise SystemExit(f"{_WORKDIR.value}: {len(crashed)} attack(s) crashed (recorded as "
+                     f"unmeasured): {', '.join(crashed)}")
 
 
 if __name__ == "__main__":

@@ -52,12 +52,12 @@ def results(case):
   out = {}
   for name in ("ridge", "activation", "joint", "shuffled_gradients", "random_candidates",
                "gradient_only"):
-    out[name] = registry.get(name)(ws, budget(), jax.random.key(0))
+    out[name] = registry.execute(name, ws, budget(), jax.random.key(0))
   return out
 
 
 def recovery(result, truth) -> float:
-  return float(np.mean(result.predictions == truth))
+  return float(np.mean(result[0].predictions == truth))
 
 
 def test_activation_only_recovery_on_one_block_client(case, results):
@@ -65,8 +65,8 @@ def test_activation_only_recovery_on_one_block_client(case, results):
   act, rid = recovery(results["activation"], truth), recovery(results["ridge"], truth)
   assert act >= 0.90, act
   assert rid <= act - 0.10, (rid, act)  # non-trivial: the beam search does the work
-  assert results["activation"].predictions.shape == (B, T)
-  assert results["activation"].predictions.dtype == np.int32
+  assert results["activation"][0].predictions.shape == (B, T)
+  assert results["activation"][0].predictions.dtype == np.int32
 
 
 def test_joint_gain_and_controls_erase_it(case, results):
@@ -112,7 +112,7 @@ def test_candidate_stages_agree_with_float64_pipeline(case):
 
 def test_flops_accounting(case, results):
   ws, _ = case
-  act, joint = results["activation"], results["joint"]
+  (_, act), (_, joint) = results["activation"], results["joint"]
   # Analytic: ridge stage + candidates + beam search of W * C one-token client steps.
   d, v, pos = CFG.n_embd, CFG.vocab_size, B * T
   beam_flops = pos * 2 * 32 * (K * (24 * d * d + 4 * T * d) + 2 * d)
@@ -121,7 +121,7 @@ def test_flops_accounting(case, results):
   # The joint attack also pays for the gradient ranking (2 B T V d).
   np.testing.assert_allclose(joint.flops_analytic - act.flops_analytic, 2 * pos * v * d,
                              rtol=1e-9)
-  for res in results.values():
+  for _, res in results.values():
     assert res.flops > 0 and res.flops_source in ("xla", "analytic")
     if res.flops_source == "xla":
       assert 0.2 < res.flops / res.flops_analytic < 5.0, (res.flops, res.flops_analytic)

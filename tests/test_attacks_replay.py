@@ -23,6 +23,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lla.attacks import beam_attacks, registry, replay
+from lla.attacks.budget import relevant
 from lla.attacks.workspace import Workspace
 from lla.capture import capture, store
 from lla.evidence import files, manifest, rundir
@@ -70,8 +71,8 @@ def setup(tmp_path_factory):
 
 
 def run(root, attacker, name, attacks=ATTACKS, capture_dir="cap", **kw):
-  return replay.replay(str(root / name), str(root / capture_dir), attacker, attacks, budget(),
-                       seed=0, mesh=kw.pop("mesh", None), **kw)
+  return replay.replay(str(root / name), str(root / capture_dir), attacker, attacks,
+                       relevant(budget(), attacks), seed=0, mesh=kw.pop("mesh", None), **kw)
 
 
 def prediction_bytes(run_dir) -> dict[str, bytes]:
@@ -160,8 +161,7 @@ class _Fixed:
   spec = _Boom.spec
 
   def __call__(self, ws, budget, key):
-    return registry.AttackResult(np.zeros((ws.num_docs, ws.seq_len), np.int32), 1.0, "analytic",
-                                 1.0)
+    return registry.AttackResult(np.zeros((ws.num_docs, ws.seq_len), np.int32), 1.0)
 
 
 def test_crashed_module_is_recorded_and_retried(setup, tmp_path, monkeypatch):
@@ -170,14 +170,14 @@ def test_crashed_module_is_recorded_and_retried(setup, tmp_path, monkeypatch):
   monkeypatch.setitem(registry._REGISTRY, "boom_test", _Boom())
   run_dir = tmp_path / "run"
   records = replay.replay(str(run_dir), str(root / "cap"), attacker, ["ridge", "boom_test"],
-                          budget(), seed=0, mesh=None)
+                          relevant(budget(), ["ridge"]), seed=0, mesh=None)
   assert [r.status for r in records] == ["ok", "crashed"]
   assert records[1].error == "RuntimeError: deliberate failure in boom_test"
   assert records[1].prediction_file is None and not (run_dir / "predictions" / "boom_test.npy").exists()
   ridge_state = tree_state(run_dir)["predictions/ridge.npy"]
   monkeypatch.setitem(registry._REGISTRY, "boom_test", _Fixed())
   records = replay.replay(str(run_dir), str(root / "cap"), attacker, ["ridge", "boom_test"],
-                          budget(), seed=0, mesh=None)
+                          relevant(budget(), ["ridge"]), seed=0, mesh=None)
   assert [r.status for r in records] == ["ok", "ok"]
   assert tree_state(run_dir)["predictions/ridge.npy"] == ridge_state
   retries = [e for e in log_events(run_dir) if e["type"] == "retry"]
@@ -201,16 +201,16 @@ def test_chunking_invariance(setup, reference_run):
 _SHARDED = textwrap.dedent("""
     import sys, jax, ml_collections, numpy as np
     from lla.attacks import replay
+    from lla.attacks.budget import relevant
     from lla.model import hf_io
     from test_attacks_replay import make_attacker
     root, attacks = sys.argv[1], sys.argv[2].split(",")
     assert jax.device_count() == 8, jax.devices()
     params, cfg = hf_io.load_hf_dir(root + "/hf")
     attacker = make_attacker(params, cfg, np.load(root + "/cal.npy"), root + "/hf")
-    budget = ml_collections.ConfigDict(dict(candidates=8, beam_width=2, c_a=4, c_g=4,
-                                            ridge_alpha=1e-3, shuffle_seed=17))
-    replay.replay(root + "/run_sharded", root + "/cap", attacker, attacks, budget, seed=0,
-                  mesh="auto")
+    budget = dict(candidates=8, beam_width=2, c_a=4, c_g=4, ridge_alpha=1e-3, shuffle_seed=17)
+    replay.replay(root + "/run_sharded", root + "/cap", attacker, attacks,
+                  relevant(budget, attacks), seed=0, mesh="auto")
     print("sharded over", jax.device_count())
 """)
 
@@ -294,18 +294,18 @@ def test_replay_refuses_bad_inputs_in_process(setup, reference_run, tmp_path):
   ]
   for capture_dir, error, message in cases:
     with pytest.raises(error, match=message):
-      replay.replay(str(workdir), str(capture_dir), attacker, ["activation"], budget(), seed=0,
-                    mesh=None)
+      replay.replay(str(workdir), str(capture_dir), attacker, ["activation"],
+                    relevant(budget(), ["activation"]), seed=0, mesh=None)
   with pytest.raises(registry.IncompatibleCaptureError, match="'gradient_only' needs gradients"):
     run(root, attacker, str(workdir), attacks=["gradient_only"], capture_dir="cap_inference")
   short_cal = make_attacker(attacker.params, CFG, attacker.calibration_tokens[:, :4],
                             root / "hf")
-  with pytest.raises(ValueError, match="calibration documents have T=4, capture .* has T=8"):
+  with pytest.raises(ValueError, match="calibration documents have T=4, the capture has T=8"):
     run(root, short_cal, str(workdir), attacks=["activation"])
   other_budget = budget()
   other_budget.beam_width = 3
-  with pytest.raises(ValueError, match="belongs to another protocol tuple"):
-    replay.replay(str(workdir), str(root / "cap"), attacker, ["activation"], other_budget,
+  with pytest.raises(ValueError, match=r"another protocol tuple \(differs in B.fields.beam_width"):
+    replay.replay(str(workdir), str(root / "cap"), attacker, ATTACKS, other_budget,
                   seed=0, mesh=None)
   with pytest.raises(KeyError, match="no attack named 'nope'"):
     run(root, attacker, str(workdir), attacks=["nope"])

@@ -17,7 +17,7 @@ import pytest
 from lla.attacks import beam
 from lla.attacks import candidates as cand_lib
 from lla.attacks import ridge
-from lla.attacks.workspace import map_documents
+from lla.attacks.workspace import iterate_chunks
 from lla.model.gpt2 import GPT2Config, init_params
 
 
@@ -125,7 +125,7 @@ def test_nearest_tokens_brute_force_with_exact_ties():
   e_hat = rng.integers(-3, 4, (3, 5, d)).astype(np.float32)
   e_hat[0, 0] = wte[7]  # distance 0 to tokens 7, 8, 50 exactly
   e_hat[1, 2] = wte[3]  # distance 0 to tokens 3, 40
-  got = np.asarray(cand_lib.nearest_tokens(jnp.asarray(e_hat), jnp.asarray(wte), num))
+  got = np.asarray(cand_lib.nearest_tokens(jnp.asarray(wte), jnp.asarray(e_hat), num))
   want = _brute_nearest(e_hat, wte, num)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got[0, 0, :3], [7, 8, 50])
@@ -140,7 +140,7 @@ def test_gradient_ranking_brute_force_with_exact_ties():
   vocab, d, num = 64, 6, 24
   wte = _integer_wte(rng, vocab, d)
   g = rng.integers(-3, 4, (2, 6, d)).astype(np.float32)
-  got = np.asarray(cand_lib.gradient_ranked_tokens(jnp.asarray(g), jnp.asarray(wte), num))
+  got = np.asarray(cand_lib.gradient_ranked_tokens(jnp.asarray(wte), jnp.asarray(g), num))
   assert got.shape == (2, 6, num)
   for b in range(2):
     for t in range(1, 6):
@@ -182,7 +182,7 @@ def test_random_candidates_control():
   act = np.stack([rng.permutation(vocab)[:c_a + c_g] for _ in range(b * t)]).reshape(b, t, -1)
   act = jnp.asarray(act, jnp.int32)
   key = jax.random.key(7)
-  fn = lambda a, idx: cand_lib.random_fill_candidates(a, key, idx, c_a, c_g, vocab)
+  fn = lambda a, idx: cand_lib.random_fill_candidates(key, a, idx, c_a, c_g, vocab)
   doc_index = np.arange(b, dtype=np.int32)
   full = np.asarray(fn(act, jnp.asarray(doc_index)))
   np.testing.assert_array_equal(full[:, 0], np.asarray(act)[:, 0])
@@ -193,12 +193,13 @@ def test_random_candidates_control():
       assert len(set(row)) == c_a + c_g and row.min() >= 0 and row.max() < vocab
   # Deterministic for a key, different for another, independent of the chunking.
   np.testing.assert_array_equal(full, np.asarray(fn(act, jnp.asarray(doc_index))))
-  other = cand_lib.random_fill_candidates(act, jax.random.key(8), jnp.asarray(doc_index), c_a,
+  other = cand_lib.random_fill_candidates(jax.random.key(8), act, jnp.asarray(doc_index), c_a,
                                           c_g, vocab)
   assert np.mean(np.asarray(other)[:, 1:, c_a:] != full[:, 1:, c_a:]) > 0.5
   for chunk in (1, 4):
-    chunked, _ = map_documents(fn, (np.asarray(act), doc_index), chunk, None)
-    np.testing.assert_array_equal(chunked, full)
+    pieces = [np.asarray(fn(*piece))[:real]
+              for real, piece in iterate_chunks((np.asarray(act), doc_index), chunk, None)]
+    np.testing.assert_array_equal(np.concatenate(pieces), full)
   # Uniform over the allowed tokens: draw many rows with the same activation part.
   many = 2000
   same = jnp.broadcast_to(act[:1], (many,) + act.shape[1:])
@@ -249,7 +250,7 @@ def test_beam_search_equals_exhaustive_enumeration(beam_model):
   other = rng.integers(0, BEAM_CFG.vocab_size, (b, t))
   target = np_client(beam_model, BEAM_CFG, other, BEAM_K)
   target += 0.05 * rng.standard_normal(target.shape)
-  tokens, score = beam.beam_search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
+  tokens, score = beam.search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
                                    jnp.asarray(cands), w)
   tokens, score = np.asarray(tokens), np.asarray(score)
   grid = np.stack(np.meshgrid(*[np.arange(c)] * t, indexing="ij"), -1).reshape(-1, t)  # [C^T, T]
@@ -297,7 +298,7 @@ def test_beam_search_width2_matches_python_with_ties(beam_model):
   truth[1, 2] = 12
   target[1] = np_client(beam_model, BEAM_CFG, truth[1:2], BEAM_K)[0]
   cands[1, 2] = [60, 12, 6, 7]
-  tokens, score = beam.beam_search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
+  tokens, score = beam.search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
                                    jnp.asarray(cands), w)
   tokens, score = np.asarray(tokens), np.asarray(score)
   for i in range(b):
@@ -317,16 +318,16 @@ def test_beam_search_width_above_candidates_and_validation(beam_model):
   truth = rng.integers(0, BEAM_CFG.vocab_size, (2, 4))
   target = np_client(beam_model, BEAM_CFG, truth, BEAM_K)
   cands = np.stack([(truth + 1) % 64, truth], -1).astype(np.int32)
-  tokens, score = beam.beam_search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
+  tokens, score = beam.search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
                                    jnp.asarray(cands), 5)  # W > C
   np.testing.assert_array_equal(np.asarray(tokens), truth)
   assert np.all(np.asarray(score) < 1e-6)
   with pytest.raises(ValueError, match="beam width"):
-    beam.beam_search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
+    beam.search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
                      jnp.asarray(cands), 0)
   with pytest.raises(ValueError, match="cut k=3"):
-    beam.beam_search(beam_model, BEAM_CFG, 3, jnp.asarray(target, jnp.float32),
+    beam.search(beam_model, BEAM_CFG, 3, jnp.asarray(target, jnp.float32),
                      jnp.asarray(cands), 2)
   with pytest.raises(ValueError, match="do not match"):
-    beam.beam_search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
+    beam.search(beam_model, BEAM_CFG, BEAM_K, jnp.asarray(target, jnp.float32),
                      jnp.asarray(cands[:, :3]), 2)

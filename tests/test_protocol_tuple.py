@@ -16,7 +16,7 @@ def example() -> protocol.ProtocolTuple:
                         defense_params=protocol.frozen({"sigma": 0.1, "clip": {"c": 1, "a": 2}}),
                         n_layer=12),
       O=protocol.Observations(gradients=True),
-      B=protocol.Budgets(candidates=16),
+      B=protocol.Budgets(fields=protocol.frozen({"candidates": 16, "beam_width": 2})),
       C=protocol.Corpora(split_hashes=protocol.frozen({"evaluation": "e" * 64, "calibration": "c"})),
       G=protocol.Controls(seeds=(0, 1)))
 
@@ -59,7 +59,7 @@ def test_sha256_is_stable_and_changes_with_every_component():
       V=protocol.Attacker(position="eavesdropper"),
       O=dataclasses.replace(e.O, gradients=False),
       K=protocol.Knowledge("trained"),
-      B=dataclasses.replace(e.B, beam_width=4),
+      B=dataclasses.replace(e.B, fields=protocol.frozen({"candidates": 16, "beam_width": 4})),
       C=dataclasses.replace(e.C, seq_len=64),
       M=protocol.Metrics(names=("token_recovery",)),
       G=dataclasses.replace(e.G, seeds=(0, 2)),

@@ -8,7 +8,7 @@ import scipy.optimize
 import scipy.stats
 
 from lla.scoring import metrics
-from lla.scoring.records import AttackRecord
+from lla.evidence.records import AttackRecord
 
 Z = 2.5392
 
@@ -94,7 +94,8 @@ def _record(**kw):
               model_seed=0, cut=6, knowledge="public", corpus="wikitext2",
               defense="none", defense_params={}, reference=None, seed=0,
               budget={"C": 32}, flops=1e12, flops_source="analytic",
-              wall_s=2.0, provenance={"jax": "0.10"})
+              flops_analytic=1e12, wall_s=2.0, compile_s=0.5, stages={},
+              details={}, provenance={"jax": "0.10"})
   base.update(kw)
   return base
 
@@ -102,7 +103,7 @@ def _record(**kw):
 def test_record_round_trip_and_save(tmp_path):
   r = AttackRecord(**_record())
   assert AttackRecord.from_json(r.to_json()) == r
-  assert json.loads(r.to_json())["schema"] == "lla.attack_record.v1"
+  assert json.loads(r.to_json())["schema"] == "lla.attack_record.v2"
   path = str(tmp_path / "r.json")
   r.save(path)
   assert AttackRecord.load(path) == r

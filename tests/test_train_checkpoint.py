@@ -9,7 +9,7 @@ import pytest
 
 from lla.model import hf_io
 from lla.model.gpt2 import GPT2Config, init_params
-from lla.train import checkpoint as ckpt
+from lla.model import checkpoint as ckpt
 
 CFG = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2)
 

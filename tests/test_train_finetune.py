@@ -10,7 +10,7 @@ from configs import finetune as finetune_config
 from configs import pretrain as pretrain_config
 from lla.data import passages
 from lla.model.gpt2 import init_params
-from lla.train import checkpoint as ckpt
+from lla.model import checkpoint as ckpt
 from lla.train import finetune
 from lla.train import loop
 from lla.train import models

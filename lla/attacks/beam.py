@@ -7,7 +7,7 @@ survive. Pairs are flattened beam-major (`w * C + c`) and `lax.top_k` is stable,
 go to the lower beam index (beams are kept sorted, best first), then the lower candidate
 rank. Position 0 is the same step from one empty beam: the other W-1 start at +inf.
 
-The scan body is one position for all documents, vmapped over documents, beams and
+One step is one position for all documents, vmapped over documents, beams and
 candidates, so each block's matmuls run as `[docs * W * C, d] x [d, 4d]` GEMMs.
 """
 
@@ -55,9 +55,39 @@ def _init_carry(cfg: GPT2Config, k: int, width: int, seq_len: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "width"))
-def beam_search(params, cfg: GPT2Config, k: int, target: jax.Array, candidates: jax.Array,
-                width: int):
-  """Beam search over all documents.
+def start(target: jax.Array, cfg: GPT2Config, k: int, width: int):
+  """The empty search state of every document: (cache, tokens, scores), batched over
+  the documents of target [B, T, d]."""
+  seq_len = target.shape[1]
+  return jax.vmap(lambda _: _init_carry(cfg, k, width, seq_len))(target[:, 0, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def step(params, state, t: jax.Array, candidates_t: jax.Array, target_t: jax.Array,
+         cfg: GPT2Config):
+  """Position t of every document's search.
+
+  Args:
+    state: (cache [B, W, k, 2, T, H, D], tokens [B, W, T], scores [B, W]).
+    t: scalar int32 position.
+    candidates_t: [B, C] int32 candidates of position t.
+    target_t: [B, d] observed h_t.
+  """
+  one = lambda carry, cand, target: _doc_step(params, cfg, carry, (t, cand, target))[0]
+  return jax.vmap(one)(state, candidates_t, target_t)
+
+
+def invoke(fn, *args, **kwargs):
+  """Calls `fn` directly: `search`'s `call` when nothing is metered."""
+  return fn(*args, **kwargs)
+
+
+def search(params, cfg: GPT2Config, k: int, target, candidates, width: int, call=invoke):
+  """Beam search over the documents of one chunk.
+
+  The loop over positions runs here, one compiled `step` per position, so that each
+  executed step is metered (`call` is `Workspace.call` in an attack) and the executable
+  compiles once per (model, cut, W, C, chunk shape).
 
   Args:
     params: the attacker's GPT-2 parameters (client layers 0..k-1 are used).
@@ -71,16 +101,12 @@ def beam_search(params, cfg: GPT2Config, k: int, target: jax.Array, candidates: 
     (tokens [B, T] of the best beam, score [B] its summed squared distance).
   """
   _validate(cfg, k, target, candidates, width)
-  seq_len = target.shape[1]
-
-  def one_doc(doc_target, doc_candidates):
-    carry = _init_carry(cfg, k, width, seq_len)
-    positions = (jnp.arange(seq_len), doc_candidates, doc_target)
-    (_, tokens, scores), _ = jax.lax.scan(
-        lambda c, p: _doc_step(params, cfg, c, p), carry, positions)
-    return tokens[0], scores[0]
-
-  return jax.vmap(one_doc)(target, candidates)
+  target, candidates = jnp.asarray(target), jnp.asarray(candidates, jnp.int32)
+  state = call(start, target, cfg=cfg, k=k, width=width)
+  for t in range(target.shape[1]):
+    state = call(step, params, state, jnp.int32(t), candidates[:, t], target[:, t], cfg=cfg)
+  _, tokens, scores = state
+  return tokens[:, 0], scores[:, 0]
 
 
 def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:
@@ -92,23 +118,6 @@ def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:
     raise ValueError(f"candidates {candidates.shape} do not match activations {target.shape}")
   if width < 1:
     raise ValueError(f"beam width must be >= 1, got {width}")
-
-
-def step_cost_fn(params, cfg: GPT2Config, k: int, num_docs: int, width: int,
-                 num_candidates: int, seq_len: int):
-  """A jitted function of one scan step for `num_docs` documents, for XLA cost analysis.
-
-  XLA's cost analysis counts a while loop's body once, so the search's FLOPs are this
-  step's FLOPs times T.
-  """
-  carry = jax.vmap(lambda _: _init_carry(cfg, k, width, seq_len))(jnp.arange(num_docs))
-  position = (jnp.zeros((num_docs,), jnp.int32),
-              jnp.zeros((num_docs, num_candidates), jnp.int32),
-              jnp.zeros((num_docs, cfg.n_embd), jnp.float32))
-  # params are an argument, not a closure: closed-over weights become XLA constants that
-  # it constant-folds (tens of seconds for GPT-2's wte) on every lowering.
-  step = jax.vmap(lambda prm, c, p: _doc_step(prm, cfg, c, p)[0], in_axes=(None, 0, 0))
-  return jax.jit(step).lower(params, carry, position)
 
 
 def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candidates: int,

@@ -12,9 +12,10 @@ import jax
 import numpy as np
 
 from lla.attacks import beam
+from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
-from lla.attacks.workspace import Workspace, map_documents, xla_flops
+from lla.attacks.workspace import Workspace
 
 CandidateFn = Callable[[Workspace, object, jax.Array], np.ndarray]
 
@@ -25,13 +26,15 @@ class BeamAttack:
 
   spec: registry.AttackSpec
   candidates_of: CandidateFn
-  stages: tuple[str, ...]
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     candidates = self.candidates_of(ws, budget, key)
     width = int(budget.beam_width)
-    predictions, xla, analytic = run_beam(ws, candidates, width)
-    return registry.AttackResult(predictions, *ws.charge(self.stages, xla, analytic))
+    predictions = run_beam(ws, candidates, width)
+    analytic = beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, candidates.shape[-1],
+                                   ws.seq_len)
+    return registry.AttackResult(predictions, analytic,
+                                 {"candidates_per_position": int(candidates.shape[-1])})
 
 
 def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
@@ -40,26 +43,12 @@ def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
   return 4.0 * (3 * width * k * 2 * t * d + width * num_candidates * (2 * k * d + 8 * d))
 
 
-def run_beam(ws: Workspace, candidates: np.ndarray, width: int):
-  """Beam search over all documents in memory-bounded chunks.
-
-  Returns:
-    (predictions [B, T] int32, XLA FLOPs or None, analytic FLOPs).
-  """
-  num_candidates = candidates.shape[-1]
-  chunk = ws.chunk_for(beam_bytes_per_doc(ws, width, num_candidates))
-  params, cfg, k = ws.params, ws.cfg, ws.cut
-  fn = lambda h, c: beam.beam_search(params, cfg, k, h, c, width)[0]
-
-  def cost(h, c):
-    step = xla_flops(beam.step_cost_fn(params, cfg, k, h.shape[0], width, num_candidates,
-                                       ws.seq_len))
-    return None if step is None else step * ws.seq_len
-
-  predictions, xla = map_documents(fn, (ws.activations, candidates.astype(np.int32)), chunk,
-                                   ws.mesh, cost)
-  analytic = beam.analytic_flops(cfg, k, ws.num_docs, width, num_candidates, ws.seq_len)
-  return predictions.astype(np.int32), xla, analytic
+def run_beam(ws: Workspace, candidates: np.ndarray, width: int) -> np.ndarray:
+  """Beam search over all documents in memory-bounded chunks: predictions [B, T] int32."""
+  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, call=ws.call)[0]
+  predictions = ws.map_documents(search, (ws.activations, candidates.astype(np.int32)),
+                                 beam_bytes_per_doc(ws, width, candidates.shape[-1]))
+  return predictions.astype(np.int32)
 
 
 def _activation(ws: Workspace, budget, key) -> np.ndarray:
@@ -71,7 +60,7 @@ def _joint_from(gradients_of: Callable[[Workspace, object], np.ndarray], stage: 
     c_a, c_g = int(budget.c_a), int(budget.c_g)
     activation = ws.activation_ranked(c_a + c_g)
     gradient = ws.gradient_ranked(c_a + c_g, gradients_of(ws, budget), stage)
-    return np.asarray(cand_lib.joint_candidates(activation, gradient, c_a, c_g))
+    return np.asarray(ws.call(cand_lib.joint_candidates, activation, gradient, c_a=c_a, c_g=c_g))
   return candidates_of
 
 
@@ -83,11 +72,9 @@ def _random(ws: Workspace, budget, key) -> np.ndarray:
   c_a, c_g = int(budget.c_a), int(budget.c_g)
   activation = ws.activation_ranked(c_a + c_g)
   vocab = ws.cfg.vocab_size
-  fn = lambda a, index: cand_lib.random_fill_candidates(a, key, index, c_a, c_g, vocab)
-  doc_index = np.arange(ws.num_docs, dtype=np.int32)
-  out, _ = map_documents(fn, (activation, doc_index), ws.chunk_for(12.0 * ws.seq_len * vocab),
-                         ws.mesh)
-  return out
+  return ws.map_call(cand_lib.random_fill_candidates, (activation, ws.doc_index),
+                     12.0 * ws.seq_len * vocab, consts=(key,), c_a=c_a, c_g=c_g,
+                     vocab_size=vocab)
 
 
 def flop_matched_budget(ws: Workspace, budget) -> int:
@@ -107,51 +94,68 @@ def flop_matched_budget(ws: Workspace, budget) -> int:
   return c
 
 
-_ACT_STAGES = ("ridge", "activation_candidates")
+def _flop_matched(ws: Workspace, budget, key) -> np.ndarray:
+  return ws.activation_ranked(flop_matched_budget(ws, budget))
+
+
+def _joint_budget_check(values: dict, vocab_size: int) -> None:
+  if values["c_a"] + values["c_g"] > vocab_size:
+    raise budget_lib.BudgetError(
+        f"budget fields c_a + c_g = {values['c_a'] + values['c_g']} exceed the vocabulary "
+        f"({vocab_size})")
+
+
 _BUDGET = ("candidates", "beam_width", "ridge_alpha")
 _JOINT_BUDGET = ("c_a", "c_g", "beam_width", "ridge_alpha")
+_PROTOCOL_CAPABILITIES = ("exact tie-breaks (PROTOCOL section 4)", "chunking invariance",
+                          "sharding over devices")
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "activation", "beam_inversion", ("activations",), budget_fields=_BUDGET,
-        description="ridge candidates + activation-matching beam search"),
-    _activation, _ACT_STAGES))
+        description="ridge candidates + activation-matching beam search",
+        capabilities=_PROTOCOL_CAPABILITIES),
+    _activation))
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "activation_flop_matched", "beam_inversion", ("activations",),
-        budget_fields=("c_a", "c_g", "beam_width", "ridge_alpha"),
+        budget_fields=_JOINT_BUDGET, validate_budget=_joint_budget_check,
         description="activation-only with the candidates that spend the joint attack's FLOPs"),
-    lambda ws, budget, key: ws.activation_ranked(flop_matched_budget(ws, budget)), _ACT_STAGES))
+    _flop_matched))
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "joint", "beam_inversion", ("activations", "gradients"), budget_fields=_JOINT_BUDGET,
-        description="activation candidates + gradient-ranked candidates, beam search"),
-    _joint_from(lambda ws, budget: ws.gradients, "gradient_ranking"),
-    _ACT_STAGES + ("gradient_ranking",)))
+        validate_budget=_joint_budget_check,
+        description="activation candidates + gradient-ranked candidates, beam search",
+        capabilities=_PROTOCOL_CAPABILITIES),
+    _joint_from(lambda ws, budget: ws.gradients, "gradient_ranking")))
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "shuffled_gradients", "beam_inversion", ("activations", "gradients"),
-        budget_fields=_JOINT_BUDGET + ("shuffle_seed",), role="negative_control",
+        budget_fields=_JOINT_BUDGET + ("shuffle_seed",), validate_budget=_joint_budget_check,
+        role="negative_control",
         description="joint attack with gradients deranged across documents"),
-    _joint_from(_shuffled, "shuffled_gradient_ranking"),
-    _ACT_STAGES + ("shuffled_gradient_ranking",)))
+    _joint_from(_shuffled, "shuffled_gradient_ranking")))
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "random_candidates", "beam_inversion", ("activations",), budget_fields=_JOINT_BUDGET,
-        role="negative_control",
+        validate_budget=_joint_budget_check, role="negative_control",
         description="joint attack with the gradient slots filled by random tokens"),
-    _random, _ACT_STAGES))
+    _random))
 
-for _plain, _candidates in (("activation", _activation),
-                            ("joint", _joint_from(lambda ws, budget: ws.gradients,
-                                                  "gradient_ranking"))):
-  _spec = registry.get_unloaded(_plain).spec
+for _plain in ("activation", "joint"):
+  _attack = registry.get_unloaded(_plain)
   registry.register(BeamAttack(
       dataclasses.replace(
-          _spec, name=f"{_plain}_defense_aware", defense_aware=True, reference_attack=_plain,
-          description=_spec.description + "; ridge fitted on defended calibration activations"),
-      _candidates, registry.get_unloaded(_plain).stages))
+          _attack.spec, name=f"{_plain}_defense_aware", defense_aware=True,
+          reference_attack=_plain, role="baseline",
+          threat_model="knows the defense's mechanism and public parameters and refits its "
+          "ridge decoder on calibration passed through its own draw of the mechanism; a "
+          "baseline, not an adaptive attack on a secret (PROTOCOL section 5a)",
+          description=_attack.spec.description
+          + "; ridge fitted on defended calibration activations"),
+      _attack.candidates_of))

@@ -12,29 +12,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lla.attacks import ridge
 
-@functools.partial(jax.jit, static_argnames=("num",))
-def nearest_tokens(e_hat: jax.Array, wte: jax.Array, num: int) -> jax.Array:
-  """The `num` tokens with the smallest ||e_hat - wte[v]||^2, nearest first.
 
-  Args:
-    e_hat: [B, T, d] decoded embeddings.
-    wte: [V, d] token embeddings.
-
-  Returns:
-    [B, T, num] int32 token ids.
-  """
+def _nearest(e_hat: jax.Array, wte: jax.Array, num: int) -> jax.Array:
   sq_dist = (jnp.sum(e_hat**2, -1, keepdims=True)
-             - 2.0 * jnp.einsum("btd,vd->btv", e_hat, wte)
+             - 2.0 * jnp.einsum("...d,vd->...v", e_hat, wte)
              + jnp.sum(wte**2, -1))
   return jax.lax.top_k(-sq_dist, num)[1].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
-def gradient_ranked_tokens(g: jax.Array, wte: jax.Array, num: int) -> jax.Array:
+def nearest_tokens(wte: jax.Array, e_hat: jax.Array, num: int) -> jax.Array:
+  """The `num` tokens with the smallest ||e_hat - wte[v]||^2, nearest first.
+
+  Args:
+    wte: [V, d] token embeddings.
+    e_hat: [..., d] decoded embeddings.
+
+  Returns:
+    [..., num] int32 token ids.
+  """
+  return _nearest(e_hat, wte, num)
+
+
+@functools.partial(jax.jit, static_argnames=("num",))
+def decoded_nearest_tokens(weights, mu_h, mu_e, wte: jax.Array, h: jax.Array,
+                           num: int) -> jax.Array:
+  """`nearest_tokens` of the ridge decoding (h - mu_h) W + mu_e of h [..., d]."""
+  return _nearest(ridge.decode_fn(weights, mu_h, mu_e, h), wte, num)
+
+
+@functools.partial(jax.jit, static_argnames=("num",))
+def gradient_ranked_tokens(wte: jax.Array, g: jax.Array, num: int) -> jax.Array:
   """Tokens ranked by the previous position's negative gradient, <-g[t-1], wte[v]>.
 
   Args:
+    wte: [V, d] token embeddings.
     g: [B, T, d] backward message.
 
   Returns:
@@ -72,7 +86,7 @@ def joint_candidates(activation_ranked: jax.Array, gradient_ranked: jax.Array, c
 
 
 @functools.partial(jax.jit, static_argnames=("c_a", "c_g", "vocab_size"))
-def random_fill_candidates(activation_ranked: jax.Array, key: jax.Array, doc_index: jax.Array,
+def random_fill_candidates(key: jax.Array, activation_ranked: jax.Array, doc_index: jax.Array,
                            c_a: int, c_g: int, vocab_size: int) -> jax.Array:
   """The random-candidate control: gradient slots filled with uniform random tokens.
 
@@ -81,8 +95,8 @@ def random_fill_candidates(activation_ranked: jax.Array, key: jax.Array, doc_ind
   uses c_a + c_g activation candidates, like the joint attack.
 
   Args:
-    activation_ranked: [B, T, >= c_a + c_g].
     key: the control's seed key.
+    activation_ranked: [B, T, >= c_a + c_g].
     doc_index: [B] int each document's index in the capture; its draw uses
       fold_in(key, index), so it does not depend on how documents are batched.
   """

@@ -18,11 +18,9 @@ class OneShotAttack:
 
   spec: registry.AttackSpec
   predict: Callable[[Workspace, object], np.ndarray]
-  stages: tuple[str, ...]
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    predictions = self.predict(ws, budget).astype(np.int32)
-    return registry.AttackResult(predictions, *ws.charge(self.stages))
+    return registry.AttackResult(self.predict(ws, budget).astype(np.int32), 0.0)
 
 
 def _ridge(ws: Workspace, budget) -> np.ndarray:
@@ -42,7 +40,7 @@ def _gradient_only(ws: Workspace, budget) -> np.ndarray:
 registry.register(OneShotAttack(
     registry.AttackSpec("ridge", "ridge", ("activations",), budget_fields=("candidates", "ridge_alpha"),
                         description="linear (ridge) inversion alone: nearest token"),
-    _ridge, ("ridge", "activation_candidates")))
+    _ridge))
 
 for _name, _positions in (("gradient_only", "all"), ("gradient_only_t1", "t>=1")):
   registry.register(OneShotAttack(
@@ -50,4 +48,4 @@ for _name, _positions in (("gradient_only", "all"), ("gradient_only_t1", "t>=1")
           _name, "gradient_heuristic", ("gradients",), knowledge=("public", "trained", "none"),
           needs_weights=False, budget_fields=("c_a", "c_g"), scored_positions=_positions,
           description=f"argmax of the previous position's negative gradient, scored on {_positions}"),
-      _gradient_only, ("gradient_ranking",)))
+      _gradient_only))

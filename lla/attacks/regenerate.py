@@ -14,6 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from lla.attacks import budget as budget_lib
 from lla.attacks import registry, replay
 from lla.attacks.workspace import Workspace
 from lla.capture import store
@@ -44,10 +45,13 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
                      f"{record.run_id!r} was made from")
   mimic = inputs.get("calibration_defense")
   return Workspace(capture.activations, capture.gradients, model.params, model.cfg,
-                   int(e["T"]["cut"]), calibration, ridge_alpha=float(e["B"]["ridge_alpha"]),
+                   int(e["T"]["cut"]), calibration,
+                   ridge_alpha=float(e["B"]["fields"]["ridge_alpha"]),
                    memory_budget_bytes=memory_budget_bytes, mesh=None,
                    calibration_transform=None if mimic is None
-                   else aware.calibration_transform(**mimic))
+                   else aware.calibration_transform(**mimic),
+                   batch_docs=replay.batch_docs(capture.metadata),
+                   defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})})
 
 
 def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
@@ -61,10 +65,11 @@ def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
     key = (record.e_hash, record.capture_sha256)
     if key not in workspaces:
       workspaces[key] = _workspace(run_dir, record, e, memory_budget_bytes)
-    budget = ml_collections.ConfigDict({k: e["B"][k] for k in (
-        "candidates", "beam_width", "c_a", "c_g", "ridge_alpha", "shuffle_seed")})
-    result = registry.get(record.attack)(workspaces[key], budget,
-                                         jax.random.key(record.seed))
+    attack = registry.get(record.attack)
+    view = budget_lib.View(e["B"]["fields"], attack.spec.budget_fields, record.attack)
+    ws = workspaces[key]
+    with ws.attack_scope(record.attack):
+      result = attack(ws, view, jax.random.key(record.seed))
     stored = rundir.load_predictions(rundir.resolve(run_dir, record.prediction_file))
     if not np.array_equal(result.predictions, stored):
       differ = int((result.predictions != stored).sum())

@@ -8,13 +8,16 @@ missing piece, so adding an attack means writing one module and no driver change
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import importlib
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
 
 OBSERVATIONS = ("activations", "gradients")
 KNOWLEDGE = ("public", "trained", "none")
+ROLES = ("attack", "negative_control", "baseline")
+TIERS = ("passive", "active")
 
 
 class IncompatibleCaptureError(ValueError):
@@ -30,8 +33,9 @@ class AttackSpec:
     family: attack family; a defense's positive control must come from the same family.
     requires: observations it reads (subset of OBSERVATIONS).
     knowledge: knowledge settings it can run under (weights the attacker holds).
-    needs_weights: whether it runs the attacker's copy of the client layers.
-    budget_fields: names of the budget config fields it reads.
+    needs_weights: whether it runs the attacker's copy of the model.
+    budget_fields: names of the budget fields it reads (lla.attacks.budget); it sees no
+      other field.
     scored_positions: "all" or "t>=1".
     role: "attack", "negative_control" or "baseline".
     description: one line for reports.
@@ -40,6 +44,18 @@ class AttackSpec:
       (with the attacker's own randomness); runs only with such a transform.
     reference_attack: the attack whose undefended run is this one's positive control
       ("" = itself).
+    adapts_to: defense mechanisms (lla.defenses names) whose structure it exploits; it
+      runs only on captures defended by one of them. Empty: a generic attack, which fits
+      every capture that holds what it requires.
+    threat_model: what it assumes the attacker knows and may do, in one or two sentences
+      (an adaptive attack knows the mechanism's family and public parameters, never a
+      secret).
+    tier: "passive" (reads the messages) or "active" (the server wrote the messages it
+      returned, e.g. crafted gradients).
+    capabilities: what it claims to handle; the qualification matrix lists those no
+      evidence exercises.
+    validate_budget: optional check of relations between its budget fields, called with
+      (budget dict, vocabulary size); raises budget.BudgetError naming the fields.
   """
 
   name: str
@@ -54,19 +70,27 @@ class AttackSpec:
   reference: str = "PROTOCOL.md section 4"
   defense_aware: bool = False
   reference_attack: str = ""
+  adapts_to: tuple[str, ...] = ()
+  threat_model: str = ""
+  tier: str = "passive"
+  capabilities: tuple[str, ...] = ()
+  validate_budget: Callable[[dict, int], None] | None = dataclasses.field(
+      default=None, compare=False)
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+           if f.name != "validate_budget"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttackResult:
-  """predictions [B, T] int32, and the compiled work it took."""
+  """predictions [B, T] int32, the attack's own analytic FLOPs (shared stages add theirs;
+  XLA's count comes from the workspace meter) and JSON-ready statistics for its record."""
 
   predictions: np.ndarray
-  flops: float
-  flops_source: str
   flops_analytic: float
+  details: dict = dataclasses.field(default_factory=dict)
 
 
 class Attack(Protocol):
@@ -80,19 +104,33 @@ _REGISTRY: dict[str, Attack] = {}
 
 
 def register(attack: Attack) -> Attack:
-  """Adds an attack instance to the registry (used as a decorator on a factory's result)."""
-  name = attack.spec.name
+  """Adds an attack instance to the registry; checks its declaration first."""
+  from lla.attacks import budget  # pylint: disable=g-import-not-at-top
+  spec = attack.spec
+  name = spec.name
   if name in _REGISTRY:
     raise ValueError(f"attack {name!r} is registered twice")
-  unknown = set(attack.spec.requires) - set(OBSERVATIONS)
-  if unknown:
-    raise ValueError(f"attack {name!r} requires unknown observations {sorted(unknown)}")
+  problems = []
+  if set(spec.requires) - set(OBSERVATIONS):
+    problems.append(f"requires unknown observations {sorted(set(spec.requires) - set(OBSERVATIONS))}")
+  if set(spec.knowledge) - set(KNOWLEDGE):
+    problems.append(f"unknown knowledge {sorted(set(spec.knowledge) - set(KNOWLEDGE))}")
+  if spec.role not in ROLES:
+    problems.append(f"role {spec.role!r} not in {ROLES}")
+  if spec.tier not in TIERS:
+    problems.append(f"tier {spec.tier!r} not in {TIERS}")
+  undeclared = [f for f in spec.budget_fields if f not in budget.fields()]
+  if undeclared:
+    problems.append(f"reads undeclared budget fields {undeclared} (declare them with "
+                    "lla.attacks.budget.declare)")
+  if problems:
+    raise ValueError(f"attack {name!r}: " + "; ".join(problems))
   _REGISTRY[name] = attack
   return attack
 
 
 def get(name: str) -> Attack:
-  _load_builtin_attacks()
+  load_builtin()
   if name not in _REGISTRY:
     raise KeyError(f"no attack named {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
   return _REGISTRY[name]
@@ -105,12 +143,27 @@ def get_unloaded(name: str) -> Attack:
 
 
 def names() -> list[str]:
-  _load_builtin_attacks()
+  load_builtin()
   return sorted(_REGISTRY)
 
 
 def specs() -> list[AttackSpec]:
   return [get(n).spec for n in names()]
+
+
+def execute(name: str, ws, budget, key: jax.Array):
+  """Runs attack `name` on a workspace, metered: (AttackResult, workspace.Charge).
+
+  `budget` holds at least the fields the attack declares (a dict, ConfigDict or the
+  validated budget of a replay); the attack sees only those.
+  """
+  from lla.attacks import budget as budget_lib  # pylint: disable=g-import-not-at-top
+  attack = get(name)
+  values = {**budget_lib.defaults(), **budget_lib.as_dict(budget)}
+  view = budget_lib.View(values, attack.spec.budget_fields, name)
+  with ws.attack_scope(name):
+    result = attack(ws, view, key)
+    return result, ws.charge(result.flops_analytic)
 
 
 def module_entries() -> list[dict[str, Any]]:
@@ -119,7 +172,7 @@ def module_entries() -> list[dict[str, Any]]:
 
 
 def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], knowledge: str,
-                     capture_name: str = "capture") -> None:
+                     capture_name: str = "capture", defense: str = "none") -> None:
   """Raises IncompatibleCaptureError naming what the capture or attacker lacks."""
   missing = [o for o in spec.requires if o not in observed]
   if missing:
@@ -129,10 +182,45 @@ def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], know
   if knowledge not in spec.knowledge:
     raise IncompatibleCaptureError(
         f"attack {spec.name!r} runs under knowledge {spec.knowledge}, not {knowledge!r}")
+  if spec.adapts_to and defense not in spec.adapts_to:
+    raise IncompatibleCaptureError(
+        f"attack {spec.name!r} adapts to {', '.join(spec.adapts_to)}; {capture_name} is "
+        f"defended by {defense!r}")
 
 
-def _load_builtin_attacks() -> None:
-  # Imported for their registration side effect; lazily, so that importing the registry
-  # alone compiles nothing.
-  from lla.attacks import beam_attacks, heuristics  # noqa: F401
+def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
+  """Whether `spec` fits a capture: the envelope of PROTOCOL section 5a runs over these."""
+  try:
+    check_compatible(spec, observed, knowledge, defense=defense)
+  except IncompatibleCaptureError:
+    return False
+  return True
 
+
+BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics")
+
+
+def load_builtin() -> None:
+  """Imports the built-in attack modules for their registration side effect (lazily, so
+  that importing the registry alone compiles nothing)."""
+  for module in BUILTIN_MODULES:
+    importlib.import_module(module)
+
+
+class PluginError(ImportError):
+  """A plugin module named on the command line that cannot be imported."""
+
+
+def load_plugins(modules) -> list[str]:
+  """Imports user modules that register attacks ("pkg.module" names, or a comma-separated
+  string); returns the attack names they added."""
+  if isinstance(modules, str):
+    modules = [m.strip() for m in modules.split(",") if m.strip()]
+  load_builtin()
+  before = set(_REGISTRY)
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except Exception as e:  # Any failure inside a user's module is reported the same way.
+      raise PluginError(f"plugin {module!r} could not be imported: {type(e).__name__}: {e}") from e
+  return sorted(set(_REGISTRY) - before)

@@ -1,34 +1,49 @@
 """Replay: run registered attacks on a stored capture and write a run directory.
 
-Every attack is checked against the capture before anything runs, so an incompatible
-request fails without touching the run directory. Each finished attack's predictions and
-record are written atomically and logged; a replay interrupted and started again on the
-same run directory reuses them (verified by hash) and runs only the rest.
+Everything a replay needs is checked before anything is written: the capture (manifest,
+shapes, finiteness), each attack against the capture and the attacker (observations,
+knowledge, the defense an adaptive attack adapts to), the budget (every field in range;
+a changed field that no requested attack reads is refused) and the calibration tokens
+(shape, ids in [0, V)). A bad input is a one-line error and the run directory is left
+as it was; a "crashed" record is reserved for a real failure inside an attack.
+
+The replay's protocol tuple E covers every input: the capture's manifest hash (O), the
+attacker's weights and calibration tokens (K, by sha256), every budget field (B) and the
+policy (G). A finished attack is reused only when its record was made under the same E
+and capture; otherwise the replay is refused, naming what differs. Each finished attack's
+predictions and record are written atomically and logged, so an interrupted replay run
+again on the same directory runs only the rest.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
 import subprocess
-import time
 import traceback
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
 import lla
+from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh
 from lla.capture import store
 from lla.defenses import aware
 from lla.evidence import files, rundir
+from lla.evidence.records import AttackRecord
 from lla.protocol import tuple as protocol
 from lla.scoring.policy import load_policy
-from lla.scoring.records import AttackRecord
+
+INPUTS = "inputs"
+
+
+class ReplayInputError(ValueError):
+  """An input of a replay that can be checked before anything runs; names the problem."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,21 +70,50 @@ def provenance() -> dict:
           "device_count": jax.device_count()}
 
 
-def replay_protocol(capture: store.Capture, attacker: Attacker, budget, seed: int,
+def calibration_sha256(tokens: np.ndarray) -> str:
+  return files.sha256_bytes(np.ascontiguousarray(tokens, np.int32).tobytes())
+
+
+def check_calibration(tokens, vocab_size: int, seq_len: int) -> np.ndarray:
+  """The calibration tokens as int32 [N, T], or ReplayInputError naming what is wrong."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or tokens.shape[0] < 1:
+    raise ReplayInputError(f"calibration tokens must be a non-empty [N, T] integer array, got "
+                           f"{tokens.dtype}{list(tokens.shape)}")
+  if tokens.shape[1] != seq_len:
+    raise ReplayInputError(f"calibration documents have T={tokens.shape[1]}, the capture has "
+                           f"T={seq_len}")
+  low, high = int(tokens.min()), int(tokens.max())
+  if low < 0 or high >= vocab_size:
+    raise ReplayInputError(f"calibration token ids must lie in [0, {vocab_size}), got "
+                           f"[{low}, {high}]")
+  return tokens.astype(np.int32)
+
+
+def replay_protocol(capture: store.Capture, attacker: Attacker, budget_values: dict, seed: int,
                     calibration_defense: dict | None = None) -> dict:
   """E of the replay: the capture's target, observations and corpus, the attacker's K and B."""
   captured = protocol.ProtocolTuple.from_dict(capture.metadata["protocol"])
   e = captured.replace(
+      O=dataclasses.replace(captured.O, capture_sha256=capture.manifest_sha256),
       K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id,
+                           calibration_sha256=calibration_sha256(attacker.calibration_tokens),
                            mechanism=protocol.frozen(calibration_defense or {})),
       B=protocol.Budgets(calibration_size=int(attacker.calibration_tokens.shape[0]),
-                         candidates=int(budget.candidates), beam_width=int(budget.beam_width),
-                         c_a=int(budget.c_a), c_g=int(budget.c_g),
-                         ridge_alpha=float(budget.ridge_alpha),
-                         shuffle_seed=int(budget.shuffle_seed)),
+                         fields=protocol.frozen(budget_values)),
       G=dataclasses.replace(captured.G, seeds=(int(seed),),
                             policy_sha256=load_policy(captured.G.policy).sha256))
   return e.to_dict()
+
+
+def differences(old: dict, new: dict, path: str = "") -> list[str]:
+  """The paths at which two protocol tuples differ, e.g. ['K.calibration_sha256']."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for key in sorted(set(old) | set(new)):
+      out += differences(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+    return out
+  return [] if old == new else [path]
 
 
 def _register_protocol(run_dir: str, e: dict) -> str:
@@ -78,14 +122,19 @@ def _register_protocol(run_dir: str, e: dict) -> str:
   if rundir.is_study(run_dir):
     return rundir.add_protocol(run_dir, e)
   if os.path.exists(protocol_path):
-    if files.read_json(protocol_path) != e:
-      raise ValueError(f"{protocol_path}: this run directory belongs to another protocol tuple; "
-                       "use a new --workdir")
+    stored = files.read_json(protocol_path)
+    if stored != e:
+      raise ReplayInputError(
+          f"{run_dir} was made under another protocol tuple (differs in "
+          f"{', '.join(differences(stored, e))}); use a new --workdir")
     return rundir.e_hash(e)
   return rundir.create(run_dir, e)
 
 
-INPUTS = "inputs"
+def _stored_protocol(run_dir: str, e_hash: str) -> dict | None:
+  path = (os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json") if rundir.is_study(run_dir)
+          else os.path.join(run_dir, rundir.PROTOCOL))
+  return files.read_json(path) if os.path.exists(path) else None
 
 
 def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
@@ -93,27 +142,51 @@ def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
   """Stores what regenerating E's predictions needs besides the capture: where the
   attacker's weights load from (checked by hash) and the calibration tokens themselves."""
   path = os.path.join(run_dir, INPUTS, f"{e_hash}.json")
+  tokens = np.ascontiguousarray(attacker.calibration_tokens, np.int32)
+  calibration_sha = calibration_sha256(tokens)
+  calibration = f"{INPUTS}/calibration_{calibration_sha[:16]}.npy"
+  pinned = {"attacker_source": dict(attacker.source),
+            "attacker_params_sha256": attacker.model_id,
+            "calibration_file": calibration,
+            "calibration_sha256": calibration_sha,
+            "calibration_defense": calibration_defense}
   if os.path.exists(path):
+    stored = files.read_json(path)
+    if stored != pinned:
+      raise ReplayInputError(f"{path}: pinned inputs differ from this replay's (in "
+                             f"{', '.join(differences(stored, pinned))})")
     return
   os.makedirs(os.path.join(run_dir, INPUTS), exist_ok=True)
-  tokens = np.ascontiguousarray(attacker.calibration_tokens, np.int32)
-  calibration_sha = files.sha256_bytes(tokens.tobytes())
-  calibration = f"{INPUTS}/calibration_{calibration_sha[:16]}.npy"
   if not os.path.exists(os.path.join(run_dir, calibration)):
     buffer = io.BytesIO()
     np.save(buffer, tokens, allow_pickle=False)
     files.atomic_write_bytes(os.path.join(run_dir, calibration), buffer.getvalue())
-  files.atomic_write_json(path, {"attacker_source": dict(attacker.source),
-                                 "attacker_params_sha256": attacker.model_id,
-                                 "calibration_file": calibration,
-                                 "calibration_sha256": calibration_sha,
-                                 "calibration_defense": calibration_defense})
+  files.atomic_write_json(path, pinned)
   rundir.log(run_dir).append({"type": "inputs", "e_hash": e_hash, "file": f"{INPUTS}/{e_hash}.json"})
 
 
 def file_name(run_id: str) -> str:
   """A run_id as a file name: 'k6/public/m0/joint' -> 'k6__public__m0__joint'."""
   return run_id.replace("/", "__")
+
+
+def _check_reuse(run_dir: str, name: str, e: dict, e_hash: str, capture_sha: str) -> None:
+  """Refuses (before anything is written) a finished record of `name` that was made under
+  another protocol tuple or from another capture: it is never silently reused."""
+  path = os.path.join(run_dir, rundir.RECORDS, f"{name}.json")
+  if not os.path.exists(path):
+    return
+  record = AttackRecord.load(path)
+  if record.status != "ok":
+    return
+  if record.capture_sha256 != capture_sha:
+    raise ReplayInputError(f"{path} was made from another capture ({record.capture_dir}); "
+                           "refusing to reuse it: use a new --workdir or run prefix")
+  if record.e_hash != e_hash:
+    old = _stored_protocol(run_dir, record.e_hash)
+    what = "" if old is None else f" (differs in {', '.join(differences(old, e))})"
+    raise ReplayInputError(f"{path} was made under another protocol tuple{what}; refusing "
+                           "to reuse it: use a new --workdir or run prefix")
 
 
 def _finished(run_dir: str, name: str) -> AttackRecord | None:
@@ -141,8 +214,15 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
   return None
 
 
+def batch_docs(metadata: dict) -> np.ndarray:
+  """[B] the number of documents in each document's capture batch (its `step`)."""
+  steps = np.asarray(metadata.get("step", [0] * len(metadata["document_ids"])))
+  counts = collections.Counter(steps.tolist())
+  return np.asarray([counts[s] for s in steps.tolist()], np.int32)
+
+
 def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str],
-           budget: ml_collections.ConfigDict, seed: int, *, run_prefix: str = "",
+           budget, seed: int, *, run_prefix: str = "",
            reference_prefix: str | None = None, model_seed: int = 0,
            memory_budget_bytes: int = 2 << 30, mesh="auto",
            calibration_defense: dict | None = None) -> list[AttackRecord]:
@@ -152,8 +232,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     run_dir: run directory (created, or resumed if its protocol.json matches), or a study
       directory (`rundir.create_study`) that collects several protocol tuples.
     attacks: registered attack names.
-    budget: candidates, beam_width, c_a, c_g, ridge_alpha, shuffle_seed.
-    seed: the attack seed (random-candidate control).
+    budget: budget fields (ConfigDict or dict); absent fields take their defaults.
+    seed: the attack seed (every attack's randomness derives from it).
     run_prefix: prefix of each record's run_id (e.g. "k6/public/model0/").
     reference_prefix: for defended captures, the run_id prefix of the linked undefended
       reference: each attack links `reference_prefix + attack`.
@@ -161,41 +241,53 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     calibration_defense: {"name", "params", "attacker_seed"} of the defense a
       defense-aware attacker mimics on its calibration data (lla.defenses.aware); for
       defense-aware attacks, and only those.
+
+  Raises:
+    ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError or
+    store.CaptureError before anything is written, naming the problem.
   """
-  calibration_transform = None if calibration_defense is None else \
-      aware.calibration_transform(**calibration_defense)
   capture = store.load_capture(capture_dir)
+  target_meta = capture.metadata["protocol"]["T"]
+  defense = str(target_meta["defense"])
   specs = [registry.get(name).spec for name in attacks]
   for spec in specs:
     registry.check_compatible(spec, capture.observations, attacker.knowledge,
-                              capture_name=f"capture {capture_dir}")
+                              capture_name=f"capture {capture_dir}", defense=defense)
     if spec.defense_aware != (calibration_defense is not None):
       raise registry.IncompatibleCaptureError(
           f"attack {spec.name!r} is {'' if spec.defense_aware else 'not '}defense-aware: it "
           f"{'needs' if spec.defense_aware else 'must not get'} a calibration defense")
-  target_meta = capture.metadata["protocol"]["T"]
-  if attacker.calibration_tokens.shape[1] != capture.activations.shape[1]:
-    raise ValueError(f"calibration documents have T={attacker.calibration_tokens.shape[1]}, "
-                     f"capture {capture_dir} has T={capture.activations.shape[1]}")
   if attacker.cfg.n_embd != capture.activations.shape[-1]:
-    raise ValueError(f"attacker model has d={attacker.cfg.n_embd}, capture {capture_dir} has "
-                     f"d={capture.activations.shape[-1]}")
+    raise ReplayInputError(f"attacker model has d={attacker.cfg.n_embd}, capture {capture_dir} "
+                           f"has d={capture.activations.shape[-1]}")
+  vocab = attacker.cfg.vocab_size
+  calibration = check_calibration(attacker.calibration_tokens, vocab,
+                                  capture.activations.shape[1])
+  attacker = dataclasses.replace(attacker, calibration_tokens=calibration)
+  values = budget_lib.validate(budget, specs, vocab)
+  calibration_transform = None if calibration_defense is None else \
+      aware.calibration_transform(**calibration_defense)
 
-  e = replay_protocol(capture, attacker, budget, seed, calibration_defense)
+  e = replay_protocol(capture, attacker, values, seed, calibration_defense)
+  for spec in specs:
+    _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
+                 capture.manifest_sha256)
   e_hash = _register_protocol(run_dir, e)
   pin_inputs(run_dir, e_hash, attacker, calibration_defense)
   ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,
-                 int(target_meta["cut"]), np.asarray(attacker.calibration_tokens, np.int32),
-                 ridge_alpha=float(budget.ridge_alpha), memory_budget_bytes=memory_budget_bytes,
+                 int(target_meta["cut"]), calibration, ridge_alpha=float(values["ridge_alpha"]),
+                 memory_budget_bytes=memory_budget_bytes,
                  mesh=document_mesh() if mesh == "auto" else mesh,
-                 calibration_transform=calibration_transform)
+                 calibration_transform=calibration_transform,
+                 batch_docs=batch_docs(capture.metadata),
+                 defense={"name": defense, "params": dict(target_meta["defense_params"] or {})})
   truth_file = os.path.relpath(os.path.join(capture.directory, store.TRUTH_FILE), run_dir)
   common = dict(
       e_hash=e_hash, capture_dir=os.path.relpath(capture.directory, run_dir),
       capture_sha256=capture.manifest_sha256, truth_file=truth_file,
       model_id=str(target_meta["model_id"]), model_seed=int(model_seed), cut=ws.cut,
       knowledge=attacker.knowledge, corpus=capture.metadata["protocol"]["C"]["name"],
-      defense=str(target_meta["defense"]), defense_params=dict(target_meta["defense_params"] or {}),
+      defense=defense, defense_params=dict(target_meta["defense_params"] or {}),
       seed=int(seed), provenance=provenance())
   records = []
   for spec in specs:
@@ -206,36 +298,52 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       continue
     reference = None if reference_prefix is None else (
         reference_prefix + (spec.reference_attack or spec.name))
-    records.append(_run_one(run_dir, ws, spec, budget, seed, run_prefix,
+    records.append(_run_one(run_dir, ws, spec, values, seed, run_prefix,
                             {**common, "reference": reference}))
   return records
 
 
-def _run_one(run_dir, ws, spec, budget, seed, run_prefix, common) -> AttackRecord:
-  budget_used = {f: budget[f] for f in spec.budget_fields}
-  start = time.perf_counter()
-  try:
-    result = registry.get(spec.name)(ws, budget, jax.random.key(seed))
-  except Exception as e:  # A crashed module is recorded as unmeasured, never as a failed attack.
-    logging.error("attack %s crashed:\n%s", spec.name, traceback.format_exc())
-    record = AttackRecord(
-        run_id=run_prefix + spec.name, attack=spec.name, family=spec.family, status="crashed",
-        error=f"{type(e).__name__}: {e}", prediction_file=None, prediction_sha256=None,
-        scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
-        budget=budget_used, flops=None, flops_source=None, wall_s=time.perf_counter() - start,
-        **common)
-    rundir.save_record(run_dir, file_name(record.run_id), record)
-    return record
-  wall = time.perf_counter() - start
-  rel, sha = rundir.save_predictions(run_dir, file_name(run_prefix + spec.name),
-                                     result.predictions)
+def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
+  predictions = np.asarray(predictions)
+  if predictions.shape != (ws.num_docs, ws.seq_len) or not np.issubdtype(predictions.dtype,
+                                                                         np.integer):
+    raise ValueError(f"predictions must be [{ws.num_docs}, {ws.seq_len}] integers, got "
+                     f"{predictions.dtype}{list(predictions.shape)}")
+  if predictions.min() < 0 or predictions.max() >= ws.cfg.vocab_size:
+    raise ValueError(f"predicted token ids outside [0, {ws.cfg.vocab_size})")
+  return predictions.astype(np.int32)
+
+
+def _run_one(run_dir, ws: Workspace, spec, values: dict, seed: int, run_prefix: str,
+             common: dict) -> AttackRecord:
+  view = budget_lib.View(values, spec.budget_fields, spec.name)
+  run_id = run_prefix + spec.name
+  with ws.attack_scope(spec.name):
+    try:
+      result = registry.get(spec.name)(ws, view, jax.random.key(seed))
+      predictions = _check_predictions(result.predictions, ws)
+    except Exception as e:  # A crashed module is recorded as unmeasured, never as a failed attack.
+      logging.error("attack %s crashed:\n%s", spec.name, traceback.format_exc())
+      charge = ws.charge(0.0)
+      record = AttackRecord(
+          run_id=run_id, attack=spec.name, family=spec.family, status="crashed",
+          error=f"{type(e).__name__}: {e}", prediction_file=None, prediction_sha256=None,
+          scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
+          budget=view.to_dict(), flops=None, flops_source=None, flops_analytic=None,
+          wall_s=charge.wall_s, compile_s=charge.compile_s, stages=charge.stages, details={},
+          **common)
+      rundir.save_record(run_dir, file_name(run_id), record)
+      return record
+    charge = ws.charge(result.flops_analytic)
+  rel, sha = rundir.save_predictions(run_dir, file_name(run_id), predictions)
   record = AttackRecord(
-      run_id=run_prefix + spec.name, attack=spec.name, family=spec.family, status="ok",
+      run_id=run_id, attack=spec.name, family=spec.family, status="ok",
       error=None, prediction_file=rel, prediction_sha256=sha,
       scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
-      budget={**budget_used, "flops_analytic": result.flops_analytic}, flops=result.flops,
-      flops_source=result.flops_source, wall_s=wall, **common)
-  rundir.save_record(run_dir, file_name(record.run_id), record)
-  logging.info("replay: %s done in %.1fs, %.3g FLOPs (%s)", spec.name, wall, result.flops,
-               result.flops_source)
+      budget=view.to_dict(), flops=charge.flops, flops_source=charge.flops_source,
+      flops_analytic=charge.flops_analytic, wall_s=charge.wall_s, compile_s=charge.compile_s,
+      stages=charge.stages, details=dict(result.details), **common)
+  rundir.save_record(run_dir, file_name(run_id), record)
+  logging.info("replay: %s done in %.1fs (%.1fs compiling), %.3g FLOPs (%s)", spec.name,
+               charge.wall_s, charge.compile_s, charge.flops, charge.flops_source)
   return record

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from lla.attacks import replay
+from lla.attacks import budget as budget_lib
+from lla.attacks import registry, replay
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
 from lla.model.loading import load_model
@@ -17,15 +18,44 @@ def calibration_tokens(config: ml_collections.ConfigDict):
   return data_load.load_splits(**data).calibration.tokens
 
 
+def parse_assignments(text: str) -> dict:
+  """'name=value,name2=value2' (plugin budget fields) -> {name: value}, typed by the
+  field's declaration."""
+  out = {}
+  for item in (p.strip() for p in text.split(",") if p.strip()):
+    name, sep, raw = item.partition("=")
+    if not sep:
+      raise budget_lib.BudgetError(f"plugin_budget entry {item!r} is not name=value")
+    field = budget_lib.get(name.strip())
+    raw = raw.strip()
+    if field.kind is bool:
+      if raw not in ("True", "False", "true", "false"):
+        raise budget_lib.BudgetError(f"budget field {name}={raw!r}: expected True or False")
+      out[field.name] = raw.lower() == "true"
+    else:
+      try:
+        out[field.name] = field.kind(raw)
+      except ValueError:
+        raise budget_lib.BudgetError(f"budget field {name}={raw!r}: expected "
+                                     f"{field.range_text()}") from None
+  return out
+
+
+def attack_names(text: str) -> list[str]:
+  return [a.strip() for a in text.split(",") if a.strip()]
+
+
 def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
   if not config.capture_dir:
     raise ValueError("--config.capture_dir is required")
-  attacks = [a.strip() for a in config.attacks.split(",") if a.strip()]
+  registry.load_plugins(config.plugins)
+  budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
   model = load_model(config.attacker)
   source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
   attacker = replay.Attacker(model.params, model.cfg, model.model_id,
                              calibration_tokens(config.calibration), config.knowledge, source)
-  return replay.replay(workdir, config.capture_dir, attacker, attacks, config.budget,
-                       int(config.seed), run_prefix=config.run_prefix,
-                       reference_prefix=config.reference_prefix or None, model_seed=int(config.model_seed),
+  return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
+                       budget, int(config.seed), run_prefix=config.run_prefix,
+                       reference_prefix=config.reference_prefix or None,
+                       model_seed=int(config.model_seed),
                        memory_budget_bytes=int(config.memory_budget_mb) << 20)

@@ -26,12 +26,15 @@ class RidgeDecoder:
 
   def decode(self, h: jax.Array) -> jax.Array:
     """h [..., d] -> e_hat [..., d_e]."""
-    return _decode(h, self.weights, self.mu_h, self.mu_e)
+    return decode(self.weights, self.mu_h, self.mu_e, h)
 
 
-@jax.jit
-def _decode(h, weights, mu_h, mu_e):
+def decode_fn(weights, mu_h, mu_e, h):
+  """e_hat = (h - mu_h) W + mu_e; h [..., d], W [d, d_e] -> [..., d_e]."""
   return jnp.einsum("...d,de->...e", h - mu_h, weights) + mu_e
+
+
+decode = jax.jit(decode_fn)
 
 
 def fit_ridge(h: np.ndarray, e: np.ndarray, ridge_alpha: float) -> RidgeDecoder:

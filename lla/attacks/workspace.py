@@ -1,18 +1,28 @@
-"""Shared, lazily computed stages of a replay, batched over documents.
+"""One capture and one attacker: the shared stages of a replay and the meter of what ran.
 
 Attacks on one capture share stages (the ridge decoder, activation candidates, the
-gradient ranking). A `Workspace` computes each once, in document chunks sized to a memory
-budget, sharded over the devices of a mesh axis `docs` when there are several, and
-records each stage's FLOPs so that every attack is charged the full cost of the stages
-it uses, as if it had run alone.
+gradient ranking, a trained inverter). A `Workspace` computes each once, in document
+chunks sized to a memory budget, sharded over the devices of a mesh axis `docs` when there
+are several.
+
+Every compiled computation an attack runs goes through `Workspace.call` (or the chunked
+`map_call` / `map_documents`): it is compiled once per process for its (function, static
+arguments, argument shapes) and reused across captures, attacks, seeds and chunks, and its
+FLOPs are XLA's cost analysis of that very executable, added once per invocation. An
+attack's FLOPs are therefore what it executed, loops included (XLA counts a loop body once,
+so iterative attacks drive their loops from Python and each iteration is counted). Shared
+stages keep their own FLOPs, compile and wall time, and every attack that uses a stage is
+charged its full cost, as if it had run alone; the record lists the stages it was charged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,18 +34,14 @@ from lla.attacks import ridge
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
-
-@dataclasses.dataclass(frozen=True)
-class StageCost:
-  flops: float
-  source: str        # "xla" or "analytic"
-  analytic: float
+# (jitted function, argument tree, argument signatures) ->
+#     (executable, its dynamic keyword names, FLOPs per call or None).
+_EXECUTABLES: dict = {}
 
 
-def xla_flops(lowered) -> float | None:
-  """FLOPs from XLA's cost analysis of a lowered computation; None where unavailable."""
+def _flops_of(executable) -> float | None:
   try:
-    cost = lowered.compile().cost_analysis()
+    cost = executable.cost_analysis()
   except Exception:  # Backends without cost analysis raise assorted errors.
     return None
   if isinstance(cost, (list, tuple)):
@@ -44,44 +50,106 @@ def xla_flops(lowered) -> float | None:
   return float(flops) if flops and flops > 0 else None
 
 
+def _signature(x):
+  """A hashable stand-in for one argument leaf: arrays by type and placement, the rest
+  (static configuration such as a GPT2Config or a cut) by value."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return jax.typeof(x), getattr(x, "sharding", None)
+  return x
+
+
+def compiled(jitted, *args, **kwargs):
+  """(executable, the keyword arguments it takes, XLA FLOPs of one call or None, compile
+  seconds spent now) of `jitted(*args, **kwargs)`.
+
+  `jitted` must be a jax.jit-wrapped function defined once (module level), not a fresh
+  wrapper: the cache is keyed by the function object, so that each (model, cut, budget,
+  chunk shape) compiles once per process. Static arguments are passed by keyword.
+  """
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  key = (jitted, tree, tuple(_signature(x) for x in leaves))
+  if key in _EXECUTABLES:
+    return (*_EXECUTABLES[key], 0.0)
+  start = time.perf_counter()
+  executable = jitted.lower(*args, **kwargs).compile()
+  seconds = time.perf_counter() - start
+  _, kwargs_tree = jax.tree_util.treedef_children(executable.in_tree)
+  dynamic = tuple(kwargs_tree.node_data()[1])
+  devices = max((len(x.sharding.device_set) for x in leaves if isinstance(x, jax.Array)),
+                default=1)
+  flops = _flops_of(executable)
+  # A partitioned executable's cost analysis is per device.
+  _EXECUTABLES[key] = (executable, dynamic, None if flops is None else flops * devices)
+  return (*_EXECUTABLES[key], seconds)
+
+
+@dataclasses.dataclass
+class Tally:
+  """What one scope (an attack's own work, or one shared stage) executed."""
+
+  xla_flops: float = 0.0
+  missing_xla: bool = False      # an executable without a cost analysis ran
+  analytic_flops: float = 0.0
+  compile_s: float = 0.0
+  wall_s: float = 0.0
+  nested_wall_s: float = 0.0     # wall time of stages computed inside this scope
+  start: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+  flops: float | None            # XLA's count; None if part of it ran without one
+  analytic: float
+  wall_s: float
+  compile_s: float
+  computed_by: str               # the attack during which it was computed
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+  """An attack's whole cost: its own work plus every shared stage it used."""
+
+  flops: float
+  flops_source: str              # "xla" or "analytic"
+  flops_analytic: float
+  wall_s: float
+  compile_s: float
+  stages: dict
+
+
 def document_mesh() -> Mesh | None:
   """A 1-D mesh over every device (axis `docs`), or None on a single device."""
   devices = jax.devices()
   return Mesh(np.array(devices), ("docs",)) if len(devices) > 1 else None
 
 
-def map_documents(fn: Callable, arrays: tuple, chunk: int, mesh: Mesh | None,
-                  cost_of: Callable | None = None):
-  """Applies fn to document chunks of `arrays` (all [B, ...]) and concatenates.
-
-  Every chunk is padded to the same size (one compilation) and, with a mesh, to a
-  multiple of the device count and placed with a `docs`-sharded NamedSharding so that jit
-  partitions the batch; the scheduling is XLA's. Outputs are identical for any chunking
-  because every function passed here treats documents independently.
-
-  Returns:
-    (outputs, flops of all chunks or None). `cost_of(lowered)` turns one chunk's lowered
-    computation into FLOPs.
-  """
-  num_docs = arrays[0].shape[0]
+def chunk_plan(num_docs: int, chunk: int, mesh: Mesh | None) -> tuple[int, int]:
+  """(chunk size, number of chunks): the size rounded to a multiple of the device count."""
   devices = 1 if mesh is None else mesh.devices.size
   chunk = max(devices, min(chunk, num_docs) // devices * devices)
   chunk = int(math.ceil(chunk / devices) * devices)
-  num_chunks = int(math.ceil(num_docs / chunk))
-  outputs, flops = [], None
-  for i in range(num_chunks):
-    piece = [np.asarray(a[i * chunk:(i + 1) * chunk]) for a in arrays]
+  return chunk, int(math.ceil(num_docs / chunk))
+
+
+def iterate_chunks(arrays: tuple, chunk: int, mesh: Mesh | None):
+  """Yields (real size, padded chunk arrays) of arrays (all [B, ...]) along documents.
+
+  Every chunk is padded (by repeating its last document) to the same size, so it compiles
+  once, and with a mesh is placed with a `docs`-sharded NamedSharding so that jit
+  partitions the batch.
+  """
+  size, count = chunk_plan(arrays[0].shape[0], chunk, mesh)
+  for i in range(count):
+    piece = [np.asarray(a[i * size:(i + 1) * size]) for a in arrays]
     real = piece[0].shape[0]
-    if real < chunk:
-      piece = [np.concatenate([p, np.repeat(p[-1:], chunk - real, axis=0)]) for p in piece]
+    if real < size:
+      piece = [np.concatenate([p, np.repeat(p[-1:], size - real, axis=0)]) for p in piece]
     if mesh is not None:
       piece = [jax.device_put(p, NamedSharding(mesh, PartitionSpec("docs"))) for p in piece]
-    if i == 0 and cost_of is not None:
-      one = cost_of(*piece)
-      flops = None if one is None else one * num_chunks
-    result = fn(*piece)
-    outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[:real], result))
-  return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), flops
+    yield real, piece
 
 
 @dataclasses.dataclass
@@ -92,7 +160,8 @@ class Workspace:
     activations: [B, T, d] observed forward messages.
     gradients: [B, T, d] observed backward messages or None.
     params, cfg: the attacker's copy of the model (exact client weights under `public`
-      knowledge, pre-trained ones under `trained`).
+      knowledge, pre-trained ones under `trained`); its blocks k.. are the attacker's
+      downstream model for gradient matching.
     cut: k.
     calibration_tokens: [N, T] int32 public calibration documents.
     ridge_alpha: ridge strength relative to trace(Hc^T Hc)/d.
@@ -101,6 +170,9 @@ class Workspace:
     calibration_transform: for defense-aware attackers, the defense's mechanism with the
       attacker's own randomness, applied to the calibration activations [N, T, d] before
       the ridge fit; None for a defense-unaware attacker.
+    batch_docs: [B] documents in each document's training batch at capture time; the
+      server's loss is the mean over batch_docs * (T - 1) positions, which scales g.
+    defense: the capture's public defense description (name, params) or None.
   """
 
   activations: np.ndarray
@@ -113,8 +185,17 @@ class Workspace:
   memory_budget_bytes: int = 2 << 30
   mesh: Mesh | None = None
   calibration_transform: Callable[[np.ndarray], np.ndarray] | None = None
+  batch_docs: np.ndarray | None = None
+  defense: dict | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
+  _scopes: list = dataclasses.field(default_factory=lambda: [Tally()])
+  _used: set = dataclasses.field(default_factory=set)
+  _attack: str = ""
+
+  def __post_init__(self):
+    if self.batch_docs is None:
+      self.batch_docs = np.full(self.num_docs, self.num_docs, np.int32)
 
   @property
   def num_docs(self) -> int:
@@ -125,40 +206,118 @@ class Workspace:
     return self.activations.shape[1]
 
   @property
+  def doc_index(self) -> np.ndarray:
+    """[B] int32 each document's index in the capture (for per-document randomness)."""
+    return np.arange(self.num_docs, dtype=np.int32)
+
+  @property
   def wte(self) -> jax.Array:
     return split.wte(self.params)
 
   def chunk_for(self, bytes_per_doc: float) -> int:
     return max(1, int(self.memory_budget_bytes // max(bytes_per_doc, 1.0)))
 
-  def charge(self, stages, own_xla: float | None = None, own_analytic: float = 0.0):
-    """(flops, source, analytic) of an attack's own work plus the full cost of the shared
-    stages it used: XLA's count when every part has one, else the analytic count."""
-    costs = [self.costs[s] for s in stages]
-    analytic = own_analytic + sum(c.analytic for c in costs)
-    if own_analytic and own_xla is None or any(c.source != "xla" for c in costs):
-      return analytic, "analytic", analytic
-    return (own_xla or 0.0) + sum(c.flops for c in costs), "xla", analytic
+  # --- metering ---------------------------------------------------------------------
 
-  def _record(self, stage: str, xla: float | None, analytic: float) -> None:
-    self.costs[stage] = StageCost(xla if xla is not None else analytic,
-                                  "xla" if xla is not None else "analytic", analytic)
+  def call(self, jitted, *args, **kwargs):
+    """Runs `jitted(*args, **kwargs)` through its cached executable and meters it."""
+    executable, dynamic, flops, compile_s = compiled(jitted, *args, **kwargs)
+    scope = self._scopes[-1]
+    scope.compile_s += compile_s
+    if flops is None:
+      scope.missing_xla = True
+    else:
+      scope.xla_flops += flops
+    return executable(*args, **{name: kwargs[name] for name in dynamic})
 
-  @functools.cached_property
+  def count_host(self, flops: float) -> None:
+    """FLOPs of host-side (numpy/scipy) work, e.g. the float64 ridge solve."""
+    self._scopes[-1].xla_flops += flops
+    self._scopes[-1].analytic_flops += flops
+
+  def map_documents(self, per_chunk: Callable, arrays: tuple, bytes_per_doc: float):
+    """per_chunk(*chunk arrays) over document chunks of `arrays` (all [B, ...]).
+
+    `per_chunk` runs its computations with `call`; outputs (a pytree of [chunk, ...]
+    arrays) are cut to the real documents and concatenated. Outputs are identical for any
+    chunking because every function passed here treats documents independently.
+    """
+    outputs = []
+    for real, piece in iterate_chunks(arrays, self.chunk_for(bytes_per_doc), self.mesh):
+      result = per_chunk(*piece)
+      outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[:real], result))
+    return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+  def map_call(self, jitted, arrays: tuple, bytes_per_doc: float, consts: tuple = (),
+               **static):
+    """`jitted(*consts, *chunk arrays, **static)` over document chunks, metered."""
+    return self.map_documents(lambda *piece: self.call(jitted, *consts, *piece, **static),
+                              arrays, bytes_per_doc)
+
+  def stage(self, name: str, compute: Callable[[], Any], analytic: float = 0.0):
+    """A shared stage: computed once (metered on its own), then reused; marks it used."""
+    self._used.add(name)
+    if name in self._cache:
+      return self._cache[name]
+    self._scopes.append(Tally(analytic_flops=analytic))
+    try:
+      value = compute()
+    finally:
+      tally = self._scopes.pop()
+    wall = time.perf_counter() - tally.start - tally.nested_wall_s
+    self._scopes[-1].nested_wall_s += time.perf_counter() - tally.start
+    self.costs[name] = StageCost(None if tally.missing_xla else tally.xla_flops,
+                                 tally.analytic_flops, wall, tally.compile_s, self._attack)
+    self._cache[name] = value
+    return value
+
+  @contextlib.contextmanager
+  def attack_scope(self, name: str):
+    """Meters one attack; `charge()` inside the scope gives its cost so far."""
+    self._scopes, self._used, self._attack = [Tally()], set(), name
+    try:
+      yield self
+    finally:
+      self._attack = ""
+
+  def charge(self, own_analytic: float) -> Charge:
+    """The attack's own work plus the full cost of every stage it used (see module doc)."""
+    own = self._scopes[0]
+    stages = {s: self.costs[s] for s in sorted(self._used)}
+    analytic = own_analytic + sum(c.analytic for c in stages.values())
+    exact = not own.missing_xla and all(c.flops is not None for c in stages.values())
+    flops = own.xla_flops + sum(c.flops for c in stages.values()) if exact else analytic
+    own_wall = time.perf_counter() - own.start - own.nested_wall_s
+    return Charge(flops=float(flops), flops_source="xla" if exact else "analytic",
+                  flops_analytic=float(analytic),
+                  wall_s=own_wall + sum(c.wall_s for c in stages.values()),
+                  compile_s=own.compile_s + sum(c.compile_s for c in stages.values()),
+                  stages={s: c.to_json() for s, c in stages.items()})
+
+  # --- shared stages ------------------------------------------------------------------
+
+  @property
   def decoder(self) -> ridge.RidgeDecoder:
-    h_cal = np.asarray(split.client(self.params, self.cfg, jnp.asarray(self.calibration_tokens),
-                                    self.cut))
+    """The ridge decoder fitted on the attacker's calibration activations (stage `ridge`)."""
+    return self.stage("ridge", self._fit_ridge, analytic=self._ridge_analytic())
+
+  def _ridge_analytic(self) -> float:
+    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    client = 2.0 * rows * self.cut * (12 * d * d + self.seq_len * d)
+    return client + ridge.ridge_flops(rows, d, d)
+
+  def calibration_activations(self) -> np.ndarray:
+    """[N, T, d] the attacker's client on its calibration documents (metered)."""
+    return np.asarray(self.call(split.client, self.params, cfg=self.cfg,
+                                tokens=jnp.asarray(self.calibration_tokens), k=self.cut))
+
+  def _fit_ridge(self) -> ridge.RidgeDecoder:
+    h_cal = self.calibration_activations()
     if self.calibration_transform is not None:
       h_cal = np.asarray(self.calibration_transform(h_cal), np.float32)
     e_cal = np.asarray(self.wte)[self.calibration_tokens]
-    d = self.cfg.n_embd
-    num_rows = self.calibration_tokens.size
-    lowered = split.client.lower(self.params, self.cfg, jnp.asarray(self.calibration_tokens),
-                                 self.cut)
-    client_analytic = 2.0 * num_rows * self.cut * (12 * d * d + self.seq_len * d)
-    xla = xla_flops(lowered)
-    self._record("ridge", None if xla is None else xla + ridge.ridge_flops(num_rows, d, d),
-                 client_analytic + ridge.ridge_flops(num_rows, d, d))
+    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    self.count_host(ridge.ridge_flops(rows, d, d))
     return ridge.fit_ridge(h_cal, e_cal, self.ridge_alpha)
 
   @functools.cached_property
@@ -166,37 +325,38 @@ class Workspace:
     """The calibration corpus's most common token (ties: lower id)."""
     return int(np.bincount(self.calibration_tokens.reshape(-1)).argmax())
 
+  def decoded_embeddings(self) -> np.ndarray:
+    """[B, T, d] ridge-decoded embeddings of the observed activations (part of `ridge`)."""
+    decoder = self.decoder
+    return self.map_call(ridge.decode, (self.activations,), 4.0 * self.seq_len * self.cfg.n_embd,
+                         consts=(decoder.weights, decoder.mu_h, decoder.mu_e))
+
   def activation_ranked(self, num: int) -> np.ndarray:
-    """[B, T, num] nearest tokens to the decoded embeddings (stage `activation_candidates`)."""
-    key = ("activation", num)
-    if key not in self._cache:
-      decoder, wte = self.decoder, self.wte
-      vocab = self.cfg.vocab_size
-      fn = lambda h: cand_lib.nearest_tokens(decoder.decode(h), wte, num)
-      # wte is an argument of the lowered function: as a closed-over constant XLA would
-      # constant-fold it (tens of seconds for GPT-2) on every cost analysis.
-      cost_fn = lambda h, w: cand_lib.nearest_tokens(decoder.decode(h), w, num)
-      cost = lambda h: xla_flops(jax.jit(cost_fn).lower(h, wte))
-      out, xla = map_documents(fn, (self.activations,),
-                               self.chunk_for(8.0 * self.seq_len * vocab), self.mesh, cost)
-      positions = self.num_docs * self.seq_len
-      self._record("activation_candidates", xla,
-                   cand_lib.candidate_flops(positions, vocab, self.cfg.n_embd)
-                   + 2.0 * positions * self.cfg.n_embd**2)
-      self._cache[key] = out
-    return self._cache[key]
+    """[B, T, num] nearest tokens to the decoded embeddings (stage `activation_candidates`).
+
+    Ranked once at the largest `num` asked for; a smaller request is its prefix (the
+    ranking is a stable sort, so prefixes agree).
+    """
+    decoder, wte, vocab = self.decoder, self.wte, self.cfg.vocab_size
+    positions = self.num_docs * self.seq_len
+    analytic = (cand_lib.candidate_flops(positions, vocab, self.cfg.n_embd)
+                + 2.0 * positions * self.cfg.n_embd**2)
+    compute = lambda: self.map_call(
+        cand_lib.decoded_nearest_tokens, (self.activations,), 8.0 * self.seq_len * vocab,
+        consts=(decoder.weights, decoder.mu_h, decoder.mu_e, wte), num=num)
+    return self._ranked_stage("activation_candidates", num, compute, analytic)
 
   def gradient_ranked(self, num: int, gradients: np.ndarray, stage: str) -> np.ndarray:
     """[B, T, num] tokens ranked by <-g[t-1], wte[v]> (stage `stage`)."""
-    key = (stage, num)
-    if key not in self._cache:
-      wte, vocab = self.wte, self.cfg.vocab_size
-      fn = lambda g: cand_lib.gradient_ranked_tokens(g, wte, num)
-      cost = lambda g: xla_flops(jax.jit(cand_lib.gradient_ranked_tokens,
-                                         static_argnames=("num",)).lower(g, wte, num=num))
-      out, xla = map_documents(fn, (gradients,), self.chunk_for(8.0 * self.seq_len * vocab),
-                               self.mesh, cost)
-      self._record(stage, xla, cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab,
-                                                        self.cfg.n_embd))
-      self._cache[key] = out
-    return self._cache[key]
+    wte, vocab = self.wte, self.cfg.vocab_size
+    analytic = cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab, self.cfg.n_embd)
+    compute = lambda: self.map_call(cand_lib.gradient_ranked_tokens, (gradients,),
+                                    8.0 * self.seq_len * vocab, consts=(wte,), num=num)
+    return self._ranked_stage(stage, num, compute, analytic)
+
+  def _ranked_stage(self, stage: str, num: int, compute, analytic: float) -> np.ndarray:
+    have = self._cache.get(stage)
+    if have is not None and have.shape[-1] < num:
+      # A longer ranking than the cached one: recompute (and charge) the stage at `num`.
+      del self._cache[stage]
+    return self.stage(stage, compute, analytic)[..., :num]

@@ -17,6 +17,7 @@ import numpy as np
 from lla.evidence import files
 from lla.evidence import hashlog
 from lla.evidence import manifest
+from lla.evidence.records import AttackRecord
 
 PROTOCOL = "protocol.json"
 PREDICTIONS = "predictions"
@@ -163,7 +164,6 @@ def run_started(run_dir: str) -> datetime.date | None:
 
 def load_records(run_dir: str) -> list:
   """All records/*.json, sorted by run_id; run_ids must be unique."""
-  from lla.scoring.records import AttackRecord  # pylint: disable=g-import-not-at-top
   rec_dir = os.path.join(run_dir, RECORDS)
   if not os.path.isdir(rec_dir):
     raise FileNotFoundError(f"{rec_dir}: records directory missing")

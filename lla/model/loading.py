@@ -6,7 +6,7 @@ import dataclasses
 
 import ml_collections
 
-from lla.model import hf_io
+from lla.model import checkpoint, hf_io
 from lla.model.gpt2 import GPT2Config
 
 
@@ -23,7 +23,6 @@ def load_model(model: ml_collections.ConfigDict) -> LoadedModel:
 
   The architecture is the checkpoint's own: a user's directory needs no matching config.
   """
-  from lla.train import checkpoint  # Training code is only needed for lla checkpoints.
   if model.get("hf_dir"):
     params, cfg = hf_io.load_hf_dir(model.hf_dir)
     source = f"hf:{model.hf_dir}"

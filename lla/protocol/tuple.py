@@ -12,7 +12,7 @@ from typing import Any
 
 from lla.evidence import files
 
-SCHEMA = "lla.protocol.v1"
+SCHEMA = "lla.protocol.v2"
 POSITIONS = ("passive_server", "eavesdropper", "active_server")
 KNOWLEDGE = ("public", "trained", "none")
 
@@ -61,9 +61,12 @@ class Observations:
   logits: bool = False
   row_norms: bool = False
   metadata: bool = True
+  capture_sha256: str = ""      # the replayed capture's manifest hash ("" in the capture's
+                                # own E, which the manifest covers)
 
   def available(self) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+    return frozenset(f.name for f in dataclasses.fields(self)
+                     if f.type == "bool" and getattr(self, f.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,21 +74,19 @@ class Knowledge:
   """K: the client weights the attacker holds."""
   weights: str = "public"
   weights_sha256: str = ""      # identity of the attacker's copy of the model
+  calibration_sha256: str = ""  # the attacker's calibration tokens (int32 bytes)
   mechanism: tuple = ()         # frozen dict: the defense mechanism a defense-aware attacker
                                 # mimics (name, public params, its own seed); () = unaware
 
 
 @dataclasses.dataclass(frozen=True)
 class Budgets:
-  """B: calibration size, candidates, beam width, steps, FLOPs."""
+  """B: calibration size and every budget field (lla.attacks.budget), defaults included."""
   calibration_size: int = 32
-  candidates: int = 32
-  beam_width: int = 2
-  c_a: int = 16
-  c_g: int = 16
-  ridge_alpha: float = 1e-3
-  shuffle_seed: int = 17
-  flops: float | None = None
+  fields: tuple = ()            # frozen dict field -> value
+
+  def values(self) -> dict[str, Any]:
+    return _thaw(self.fields) or {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,6 @@ from lla.scoring.metrics import token_recovery
 from lla.scoring.metrics import wilson_upper
 from lla.scoring.policy import load_policy
 from lla.scoring.qualification import matrix as qualification_matrix
-from lla.scoring.records import AttackRecord
 from lla.scoring.scorecard import build as build_scorecard
 from lla.scoring.scorecard import markdown as scorecard_markdown
 from lla.scoring.scorecard import score_run

@@ -11,7 +11,7 @@ unmeasured (PROTOCOL section 7) and are listed until measured.
 
 import dataclasses
 
-from lla.scoring.records import AttackRecord
+from lla.evidence.records import AttackRecord
 
 COVERED, PARTIAL, UNMEASURED, OUT_OF_SCOPE = (
     "covered", "partial", "unmeasured", "out of scope")

@@ -14,7 +14,7 @@ import json
 
 from lla.scoring import metrics
 from lla.scoring import policy as policy_lib
-from lla.scoring.records import AttackRecord
+from lla.evidence.records import AttackRecord
 
 PASS = "PASS"
 FAIL = "FAIL"

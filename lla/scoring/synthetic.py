@@ -14,7 +14,7 @@ import numpy as np
 from lla.evidence import files
 from lla.evidence import manifest
 from lla.evidence import rundir
-from lla.scoring.records import AttackRecord
+from lla.evidence.records import AttackRecord
 
 RUN_TIME = "2026-12-01T00:00:00+00:00"
 
@@ -114,8 +114,8 @@ def make_run(run_dir: str, capture_dir: str, specs: list[Spec],
         model_seed=sp.model_seed, cut=sp.cut, knowledge=sp.knowledge,
         corpus=sp.corpus, defense=sp.defense, defense_params={},
         reference=sp.reference, seed=sp.seed, budget={"C": 32, "W": 2},
-        flops=1.0e9, flops_source="analytic", wall_s=1.5,
-        provenance={"lla": "synthetic"})
+        flops=1.0e9, flops_source="analytic", flops_analytic=1.0e9, wall_s=1.5,
+        compile_s=0.0, stages={}, details={}, provenance={"lla": "synthetic"})
     rundir.save_record(run_dir, name, rec)
   if finalize:
     rundir.finalize(run_dir, time=time)

@@ -30,7 +30,7 @@ from lla.scoring import metrics
 from lla.scoring import policy as policy_lib
 from lla.scoring import scorecard
 from lla.scoring import synthetic as syn
-from lla.scoring.records import AttackRecord
+from lla.evidence.records import AttackRecord
 
 Z = metrics.DEFAULT_Z
 Z2 = Z * Z  # 6.44753664

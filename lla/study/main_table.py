@@ -36,7 +36,7 @@ from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
 from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
-from lla.train.checkpoint import params_sha256
+from lla.model.checkpoint import params_sha256
 
 STUDY, CAPTURES, DECOY, TIMING = "study", "captures", "decoy", "timing.json"
 

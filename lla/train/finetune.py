@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 
 from lla import data
-from lla.train import checkpoint as ckpt
+from lla.model import checkpoint as ckpt
 from lla.train import loop
 from lla.train import models
 from lla.train.pretrain import json_config

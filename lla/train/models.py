@@ -6,7 +6,7 @@ import ml_collections
 
 from lla.model import hf_io
 from lla.model.gpt2 import GPT2Config
-from lla.train import checkpoint as ckpt
+from lla.model import checkpoint as ckpt
 
 
 def gpt2_config(model: ml_collections.ConfigDict) -> GPT2Config:

@@ -2,7 +2,7 @@
 
   ckpt = pretrain(config, workdir)   # workdir/checkpoint, reused if valid
 
-The result is an lla checkpoint (orbax + HF export, see lla.train.checkpoint) whose metadata
+The result is an lla checkpoint (orbax + HF export, see lla.model.checkpoint) whose metadata
 holds the run config, the loss history, the data hashes and the held-out (WikiText-2 valid)
 cross-entropy and perplexity. A checkpoint made with another config is refused, not reused.
 """
@@ -21,7 +21,7 @@ from absl import logging
 
 from lla import data
 from lla.model.gpt2 import init_params, param_count
-from lla.train import checkpoint as ckpt
+from lla.model import checkpoint as ckpt
 from lla.train import loop
 from lla.train import models
 

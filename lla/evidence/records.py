@@ -1,4 +1,4 @@
-"""`AttackRecord`: one attack run, schema `lla.attack_record.v1`.
+"""`AttackRecord`: one attack run, schema `lla.attack_record.v2`.
 
 The field list is the contract of docs/run_format.md; `from_json` rejects
 missing, unknown or mistyped fields with an error naming the file, because a
@@ -13,7 +13,7 @@ from typing import Any
 
 from lla.evidence import files
 
-SCHEMA = "lla.attack_record.v1"
+SCHEMA = "lla.attack_record.v2"
 STATUSES = ("ok", "crashed", "skipped")
 SCORED_POSITIONS = ("all", "t>=1")
 KNOWLEDGE = ("public", "trained", "none")
@@ -48,7 +48,11 @@ class AttackRecord:
   budget: dict
   flops: float | None
   flops_source: str | None
+  flops_analytic: float | None
   wall_s: float | None
+  compile_s: float | None
+  stages: dict
+  details: dict
   provenance: dict
   schema: str = SCHEMA
 
