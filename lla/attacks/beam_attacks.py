@@ -109,12 +109,21 @@ _BUDGET = ("candidates", "beam_width", "ridge_alpha")
 _JOINT_BUDGET = ("c_a", "c_g", "beam_width", "ridge_alpha")
 _PROTOCOL_CAPABILITIES = ("exact tie-breaks (PROTOCOL section 4)", "chunking invariance",
                           "sharding over devices")
+_BEAM_CHECKS = (
+    ("reference_consistency", "tests/test_attacks_units.py::test_beam_search_equals_exhaustive_enumeration",
+     "exhaustive enumeration of every token sequence (T = 3, C = 4, W = 16)"),
+    ("reference_consistency",
+     "tests/test_attacks_units.py::test_beam_search_width2_matches_python_with_ties",
+     "a plain Python beam search of the pinned algorithm on a float64 numpy GPT-2, with ties"),
+    ("synthetic", "tests/test_attacks_recovery.py::test_activation_only_recovery_on_one_block_client",
+     "known tokens through a random 1-block client: >= 90% recovery"),
+)
 
 registry.register(BeamAttack(
     registry.AttackSpec(
         "activation", "beam_inversion", ("activations",), budget_fields=_BUDGET,
         description="ridge candidates + activation-matching beam search",
-        capabilities=_PROTOCOL_CAPABILITIES),
+        capabilities=_PROTOCOL_CAPABILITIES, checks=_BEAM_CHECKS),
     _activation))
 
 registry.register(BeamAttack(
@@ -129,7 +138,10 @@ registry.register(BeamAttack(
         "joint", "beam_inversion", ("activations", "gradients"), budget_fields=_JOINT_BUDGET,
         validate_budget=_joint_budget_check,
         description="activation candidates + gradient-ranked candidates, beam search",
-        capabilities=_PROTOCOL_CAPABILITIES),
+        capabilities=_PROTOCOL_CAPABILITIES,
+        checks=_BEAM_CHECKS[:2] + (
+            ("synthetic", "tests/test_attacks_recovery.py::test_joint_gain_and_controls_erase_it",
+             "joint gain over activation-only on a 1-block client; both controls erase it"),)),
     _joint_from(lambda ws, budget: ws.gradients, "gradient_ranking")))
 
 registry.register(BeamAttack(

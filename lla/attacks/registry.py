@@ -54,6 +54,10 @@ class AttackSpec:
       returned, e.g. crafted gradients).
     capabilities: what it claims to handle; the qualification matrix lists those no
       evidence exercises.
+    checks: (kind, test id, what it was checked against) triples: the tests that qualify
+      the module itself, kind in lla.scoring.qualification.KINDS ("reference_consistency",
+      "adaptation", "real_model", "synthetic"). The suite enforces them, so each is "pass"
+      evidence in the qualification matrix.
     validate_budget: optional check of relations between its budget fields, called with
       (budget dict, vocabulary size); raises budget.BudgetError naming the fields.
   """
@@ -74,6 +78,7 @@ class AttackSpec:
   threat_model: str = ""
   tier: str = "passive"
   capabilities: tuple[str, ...] = ()
+  checks: tuple[tuple[str, str, str], ...] = ()
   validate_budget: Callable[[dict, int], None] | None = dataclasses.field(
       default=None, compare=False)
 
