@@ -206,6 +206,17 @@ def test_refine_accepts_tokens_or_soft_labels(setup, results):
   by_soft, _ = bisr_f.refine(ws, view, np.asarray(soft))
   np.testing.assert_array_equal(by_tokens, by_soft)
   assert details["steps_run"] == 3 and 0.0 <= details["changed_from_init"] <= 1.0
+  # Unmoved embeddings (0 steps from the true tokens) decode as brute force over wte says:
+  # to the tokens themselves by nearest row, not always by the published dot product.
+  wte = np.asarray(split.wte(ws.params), np.float64)
+  e = wte[tokens]
+  brute = {"nearest": np.argmin(((e[..., None, :] - wte) ** 2).sum(-1), -1),
+           "dot": np.argmax(e @ wte.T, -1)}
+  np.testing.assert_array_equal(brute["nearest"], tokens)
+  for decode in ("nearest", "dot"):
+    view = budget_lib.View({**budget_lib.defaults(), **budget, "bisr_f_steps": 0,
+                            "bisr_f_decode": decode}, bisr_f.FIELDS, "test")
+    np.testing.assert_array_equal(bisr_f.refine(ws, view, tokens)[0], brute[decode])
   with pytest.raises(ValueError, match="BiSR\\(f\\) init must be"):
     bisr_f.refine(ws, view, start[:, :-1])
 

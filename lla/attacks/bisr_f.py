@@ -11,7 +11,10 @@ document,
 (the original sums these over the batch; documents are independent, so optimising each
 document's own loss is the same problem), with torch `AdamW(lr 0.01, betas (0.9, 0.999),
 eps 1e-6, weight_decay 0.01)`, 800 steps (the gpt2-large CR script). The tokens are the
-argmax of `e . wte^T` (the original's softmax of dot products, then argmax).
+argmax of `e . wte^T` (the original's softmax of dot products, then argmax), or with
+`bisr_f_decode = "nearest"` the nearest `wte` row in L2. The dot product favours tokens
+with long embeddings: on lla's embedded model (wte row norms 0.3 to 2.1) it decodes the
+optimised embeddings far worse than the nearest row does.
 
 `refine(ws, budget, init)` is the chain entry point: it starts from any [B, T] tokens or
 [B, T, V] soft labels / logits (argmax taken, as the original does with its `init`).
@@ -44,8 +47,11 @@ budget_lib.declare("bisr_f_weight_decay", 0.01, float, low=0.0,
 budget_lib.declare("bisr_f_loss", "cosine", str, choices=("cosine", "mse"),
                    doc="BiSR(f) matching loss: 1 - mean cosine, or mean squared error",
                    source="SplitLLM SMArguments.cosine_loss = True")
+budget_lib.declare("bisr_f_decode", "dot", str, choices=("dot", "nearest"),
+                   doc="BiSR(f) decode: argmax e . wte (published) or nearest wte row (L2)",
+                   source="SplitLLM SmashedDataMatchingAttacker._rec_text (dot)")
 
-FIELDS = ("bisr_f_steps", "bisr_f_lr", "bisr_f_weight_decay", "bisr_f_loss")
+FIELDS = ("bisr_f_steps", "bisr_f_lr", "bisr_f_weight_decay", "bisr_f_loss", "bisr_f_decode")
 _COS_EPS = 1e-8  # torch.cosine_similarity's eps
 
 
@@ -83,10 +89,14 @@ def _step(params, target, carry, *, cfg, k, loss, lr, weight_decay):
   return (optax.apply_updates(e, updates), state), losses
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss"))
-def _finish(params, target, e, *, cfg, k, loss):
-  """(tokens [b, T] = argmax e . wte^T, the loss at e [b])."""
-  tokens = jnp.argmax(e @ split.wte(params).T, axis=-1).astype(jnp.int32)
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss", "decode"))
+def _finish(params, target, e, *, cfg, k, loss, decode):
+  """(tokens [b, T], the loss at e [b]): argmax e . wte^T, or argmin ||e - wte_v||^2."""
+  wte = split.wte(params)
+  scores = e @ wte.T
+  if decode == "nearest":
+    scores = 2.0 * scores - jnp.sum(wte**2, axis=-1)
+  tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   return tokens, _losses(params, cfg, k, e, target, loss)
 
 
@@ -123,7 +133,8 @@ def refine_chunk(ws: Workspace, budget, h, init_tokens, doc_index, attack: str =
   carry, losses = optimise.drive(ws.call, _step, carry, steps=int(budget.bisr_f_steps),
                                  attack=attack, doc_index=doc_index,
                                  consts=(ws.params, target), **model, **opt)
-  tokens, final = ws.call(_finish, ws.params, target, carry[0], **model)
+  tokens, final = ws.call(_finish, ws.params, target, carry[0], decode=str(budget.bisr_f_decode),
+                          **model)
   final = np.asarray(final)
   optimise.check_finite(final[None], attack, int(budget.bisr_f_steps), doc_index)
   return np.asarray(tokens), losses.T, final

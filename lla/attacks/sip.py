@@ -314,12 +314,15 @@ def split_sizes(settings: Settings, num_docs: int) -> tuple[int, int]:
 
 def training_flops(settings: Settings, num_docs: int, seq_len: int, dim: int,
                    vocab_size: int) -> float:
-  """Analytic FLOPs of training: 3x the forward per trained token (forward + backward),
-  padded batches included, plus one forward over the hold-out split per epoch."""
+  """Analytic FLOPs of training: per trained token (padded batches included) the forward
+  and the backward (weight gradients, plus the hidden state's for the GRU: 3x the forward;
+  the linear variant's input needs no gradient: 2x), plus one forward over the hold-out
+  split per epoch."""
   train, held = split_sizes(settings, num_docs)
   batches = -(-train // settings.batch)
   per_token = forward_flops(settings.variant, dim, settings.hidden, vocab_size)
-  return settings.epochs * seq_len * per_token * (3.0 * batches * settings.batch + held)
+  passes = 3.0 if settings.variant == "gru" else 2.0
+  return settings.epochs * seq_len * per_token * (passes * batches * settings.batch + held)
 
 
 def _train(ws: Workspace, settings: Settings, key: jax.Array) -> Inverter:
