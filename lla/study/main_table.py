@@ -166,6 +166,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
     _phase("report (study already finished and verified)")
     return report.render(config, workdir)
 
+  registry.load_plugins(config.plugins)
   _log_invocation(workdir, "started_unix", start)
   _phase("pretrain / base model")
   base, base_source = base_model(config, workdir)
