@@ -7,6 +7,7 @@ import sys
 
 from absl import app, flags
 
+from lla import runtime
 from lla.attacks import regenerate, registry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run (or study) directory.", required=True)
@@ -15,6 +16,7 @@ _PLUGINS = flags.DEFINE_string("plugins", "", "Modules that register the run's p
 
 def main(argv):
   del argv
+  runtime.configure()
   registry.load_plugins(_PLUGINS.value)
   problems = regenerate.regenerate(_WORKDIR.value)
   for problem in problems:
