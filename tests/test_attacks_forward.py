@@ -134,7 +134,7 @@ def test_sip_trains_and_beats_the_baseline(setup, results):
     assert d["selected_epoch"] == int(np.argmax(held)) + 1
     accuracy = np.mean(result.predictions == tokens)
     assert accuracy > p0 + 0.4, (name, accuracy, p0)
-    assert set(charge.stages) == {f"sip_{result.details['variant']}"}
+    assert set(charge.stages) == {f"sip_{result.details['variant']}", "calibration_activations"}
     assert charge.flops_source == "xla"
     assert 0.5 < charge.flops / charge.flops_analytic < 2.0, (name, charge)
 
@@ -150,7 +150,7 @@ def test_bisr_f_lowers_its_loss_and_beats_the_baseline(setup, results):
   sip_accuracy = np.mean(out["sip"][0].predictions == tokens)
   assert accuracy > max(sip_accuracy, baseline_rate(attacker, tokens)) + 0.05, (accuracy,
                                                                                  sip_accuracy)
-  assert set(charge.stages) == {"sip_gru"}
+  assert set(charge.stages) == {"sip_gru", "calibration_activations"}
   assert 0.5 < charge.flops / charge.flops_analytic < 2.0, charge
 
 
@@ -172,7 +172,7 @@ def test_eia_mapper_trains_and_matches_after_block_one(setup):
   budget = {**BUDGET, "eia_mapper": True, "eia_mapper_epochs": 3, "eia_steps": 20}
   result, charge = registry.execute("eia", ws, budget, jax.random.key(0))
   assert result.details["mapper"] and result.details["matched_blocks"] == 1
-  assert set(charge.stages) == {"eia_mapper"}
+  assert set(charge.stages) == {"eia_mapper", "calibration_activations"}
   assert result.details["loss_final"] < result.details["loss_first"]
   # The mapper beats the best constant map on held-out (captured) messages.
   mapped = np.asarray(eia._apply_mapper(ws._cache["eia_mapper"][0], jnp.asarray(ws.activations)))
@@ -238,7 +238,7 @@ def test_replay_is_deterministic_and_chunking_invariant(setup):
   root, _, _ = setup
   records = run(setup, "run_a", ATTACKS)
   assert [r.status for r in records] == ["ok"] * len(ATTACKS)
-  assert records[2].stages.keys() == {"sip_gru"} and records[2].details["steps_run"] == 60
+  assert records[2].stages.keys() == {"sip_gru", "calibration_activations"} and records[2].details["steps_run"] == 60
   run(setup, "run_b", ATTACKS)
   run(setup, "run_chunk", ["bisr_f", "eia"], memory_budget_bytes=1)  # one document a chunk
   a = prediction_bytes(root / "run_a")

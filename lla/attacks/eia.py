@@ -116,19 +116,21 @@ def mapper(ws: Workspace, budget, key: jax.Array):
   n, t = ws.calibration_tokens.shape
   d = ws.cfg.n_embd
   per_doc = t * (2 * 2 * d * d)
-  analytic = (2.0 * n * t * (ws.cut + 1) * (12 * d * d + t * d)
+  # h_k of the calibration documents is the workspace's stage; h_1 is computed here.
+  analytic = (2.0 * n * t * (12 * d * d + t * d)
               + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH))
   stage_key = jax.random.fold_in(key, zlib.crc32(b"eia_mapper") & 0x7FFFFFFF)
-  params, trained_epochs = ws.stage("eia_mapper", lambda: _train_mapper(ws, epochs, stage_key),
-                                    analytic=analytic)
+  # Read before the stage so that every user is charged it, also when the mapper is cached.
+  source = ws.calibration_activations()
+  params, trained_epochs = ws.stage(
+      "eia_mapper", lambda: _train_mapper(ws, epochs, stage_key, source), analytic=analytic)
   if trained_epochs != epochs:
     raise ValueError(f"workspace already holds eia_mapper trained for {trained_epochs} epochs, "
                      f"not {epochs}; use one EIA budget per workspace")
   return params
 
 
-def _train_mapper(ws: Workspace, epochs: int, key: jax.Array):
-  source = ws.calibration_activations()
+def _train_mapper(ws: Workspace, epochs: int, key: jax.Array, source: np.ndarray):
   target = np.asarray(ws.call(_first_block, ws.params, jnp.asarray(ws.calibration_tokens),
                               cfg=ws.cfg))
   n = source.shape[0]
