@@ -258,12 +258,8 @@ class Inverter:
 
   def predict(self, ws: Workspace) -> np.ndarray:
     """argmax tokens [B, T] int32 of every captured message, in memory-bounded chunks."""
-    return self.predict_messages(ws, ws.activations)
-
-  def predict_messages(self, ws: Workspace, h: np.ndarray) -> np.ndarray:
-    """argmax tokens [N, T] of any messages h [N, T, d] (e.g. the hold-out split)."""
-    bytes_per_doc = 4.0 * h.shape[1] * (3 * self.vocab_size + 4 * self.settings.hidden)
-    return ws.map_call(_tokens, (h,), bytes_per_doc, consts=(self.params,),
+    bytes_per_doc = 4.0 * ws.seq_len * (3 * self.vocab_size + 4 * self.settings.hidden)
+    return ws.map_call(_tokens, (ws.activations,), bytes_per_doc, consts=(self.params,),
                        **self._static()).astype(np.int32)
 
   def inference_flops(self, num_docs: int, seq_len: int, dim: int) -> float:
