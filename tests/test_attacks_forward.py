@@ -231,14 +231,16 @@ def run(setup, name, attacks, budget=BUDGET, **kw):
 
 
 def prediction_bytes(run_dir) -> dict[str, bytes]:
-  return {p.stem: p.read_bytes() for p in sorted((pathlib.Path(run_dir) / "predictions").glob("*.npy"))}
+  files = sorted((pathlib.Path(run_dir) / "predictions").glob("*.npy"))
+  return {p.stem: p.read_bytes() for p in files}
 
 
 def test_replay_is_deterministic_and_chunking_invariant(setup):
   root, _, _ = setup
   records = run(setup, "run_a", ATTACKS)
   assert [r.status for r in records] == ["ok"] * len(ATTACKS)
-  assert records[2].stages.keys() == {"sip_gru", "calibration_activations"} and records[2].details["steps_run"] == 60
+  assert records[2].stages.keys() == {"sip_gru", "calibration_activations"}
+  assert records[2].details["steps_run"] == 60
   run(setup, "run_b", ATTACKS)
   run(setup, "run_chunk", ["bisr_f", "eia"], memory_budget_bytes=1)  # one document a chunk
   a = prediction_bytes(root / "run_a")
@@ -274,7 +276,8 @@ def test_replay_binary_takes_the_new_attacks_and_fields(setup, tmp_path):
              for p in (tmp_path / "run" / "records").glob("*.json")}
   assert sorted(records) == ["eia", "sip"]
   assert all(r["status"] == "ok" for r in records.values())
-  assert records["eia"]["budget"]["eia_steps"] == 20 and records["eia"]["details"]["steps_run"] == 20
+  assert records["eia"]["budget"]["eia_steps"] == 20
+  assert records["eia"]["details"]["steps_run"] == 20
   assert records["sip"]["budget"]["sip_epochs"] == 2 and len(
       records["sip"]["details"]["train_loss_per_epoch"]) == 2
   bad = cmd[:-1] + ["--config.budget.bisr_f_steps=3", f"--workdir={tmp_path / 'bad'}"]

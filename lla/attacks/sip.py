@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import registry
+from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
 
 VARIANTS = ("gru", "linear")
@@ -177,11 +177,6 @@ def _init(key, *, variant, vocab_size, hidden, lr, weight_decay, dim):
   model = _model(variant, vocab_size, hidden, 0.0)
   params = model.init(key, jnp.zeros((1, 1, dim), jnp.float32))["params"]
   return params, _optimizer(lr, weight_decay).init(params)
-
-
-def host_rng(key: jax.Array, stream: int) -> np.random.Generator:
-  """A numpy generator for host-side choices (document orders), seeded by key and stream."""
-  return np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), stream])
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "vocab_size", "hidden", "dropout", "lr",
@@ -330,7 +325,7 @@ def _train(ws: Workspace, settings: Settings, key: jax.Array, h_all: np.ndarray)
   n_train, n_held = split_sizes(settings, n)
   init_key, dropout_key = jax.random.split(key)
   # Stream 0 splits off the hold-out documents, stream e + 1 orders epoch e's batches.
-  split = host_rng(key, 0).permutation(n)
+  split = optimise.host_rng(key, 0).permutation(n)
   train_idx, held_idx = np.sort(split[:n_train]), np.sort(split[n_train:])
   static = dict(variant=settings.variant, vocab_size=ws.cfg.vocab_size, hidden=settings.hidden)
   opt = dict(lr=settings.lr, weight_decay=settings.weight_decay)
@@ -338,7 +333,7 @@ def _train(ws: Workspace, settings: Settings, key: jax.Array, h_all: np.ndarray)
   best = (params, -1.0, 0)
   losses, held_accuracy, step = [], [], 0
   for epoch in range(settings.epochs):
-    order = train_idx[host_rng(key, epoch + 1).permutation(n_train)]
+    order = train_idx[optimise.host_rng(key, epoch + 1).permutation(n_train)]
     epoch_losses = []
     for start in range(0, n_train, settings.batch):
       docs = order[start:start + settings.batch]
