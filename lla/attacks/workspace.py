@@ -46,8 +46,10 @@ def _flops_of(executable) -> float | None:
     return None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
-  flops = (cost or {}).get("flops")
-  return float(flops) if flops and flops > 0 else None
+  if cost is None:
+    return None
+  # An executable without arithmetic (allocation, gathers) has no "flops" entry: zero.
+  return max(float(cost.get("flops", 0.0)), 0.0)
 
 
 def _signature(x):
@@ -189,6 +191,7 @@ class Workspace:
   defense: dict | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
+  _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
   _scopes: list = dataclasses.field(default_factory=lambda: [Tally()])
   _used: set = dataclasses.field(default_factory=set)
   _attack: str = ""
@@ -254,16 +257,27 @@ class Workspace:
     return self.map_documents(lambda *piece: self.call(jitted, *consts, *piece, **static),
                               arrays, bytes_per_doc)
 
+  def _mark_used(self, name: str) -> None:
+    if name not in self._used:
+      self._used.add(name)
+      for dependency in self._depends.get(name, ()):
+        self._mark_used(dependency)
+
   def stage(self, name: str, compute: Callable[[], Any], analytic: float = 0.0):
-    """A shared stage: computed once (metered on its own), then reused; marks it used."""
-    self._used.add(name)
+    """A shared stage: computed once (metered on its own), then reused. Using it marks it
+    and every stage it used as used, whether it is computed now or was cached."""
     if name in self._cache:
+      self._mark_used(name)
       return self._cache[name]
+    outer_used, self._used = self._used, set()
     self._scopes.append(Tally(analytic_flops=analytic))
     try:
       value = compute()
     finally:
       tally = self._scopes.pop()
+      self._depends[name] = frozenset(self._used)
+      self._used = outer_used
+    self._mark_used(name)
     wall = time.perf_counter() - tally.start - tally.nested_wall_s
     self._scopes[-1].nested_wall_s += time.perf_counter() - tally.start
     self.costs[name] = StageCost(None if tally.missing_xla else tally.xla_flops,
