@@ -27,6 +27,12 @@ the attack, step and document.
 Deviation from SplitLLM (documented in the records): g is matched per document, with the
 normalisation N = batch_docs * (T - 1) of the capture batch (SplitLLM attacks its whole
 training batch at once, which is the same optimisation because the sum separates).
+
+AdamW's epsilon is a budget field (`tag_adam_eps`, SplitLLM's 1e-6 by default). The
+loss's gradient in gt is tiny: the labels' softmax over V scales it by ~1/V and g carries
+1/N. On the embedded model it is ~5e-9 per coordinate, so eps = 1e-6 dominates Adam's
+denominator, every step is lr * grad / eps and the labels barely move in the published
+600 steps; with eps far below the gradients (1e-12) Adam is scale-free again.
 """
 
 from __future__ import annotations
@@ -57,6 +63,12 @@ budget_lib.declare("tag_beta", 0.85, float, low=0.0, high=1.0,
 budget_lib.declare("tag_weight_decay", 0.01, float, low=0.0,
                    doc="gradient matching (tag, bisr_b, lamp): AdamW decoupled weight decay",
                    source="SplitLLM TAGAttacker (AdamW weight_decay=0.01)")
+budget_lib.declare("tag_adam_eps", 1e-6, float, low=0.0, strict_low=True,
+                   doc="gradient matching (tag, bisr_b, lamp): AdamW epsilon. The loss's "
+                   "gradients in gt are tiny (~1e-9 on the embedded model: the labels' softmax "
+                   "over V and g's 1/N scale); SplitLLM's 1e-6 then dominates Adam's "
+                   "denominator and the steps shrink to lr * grad / eps",
+                   source="SplitLLM TAGAttacker (torch AdamW eps=1e-6)")
 budget_lib.declare("bisr_b_steps", 32, int, low=0, doc="BiSR(b): AdamW steps from the SIP init",
                    source="SplitLLM [CR]BiSR(b+f).sh gpt2-large (379b1c5)")
 budget_lib.declare("bisr_b_lr", 0.09, float, low=0.0, strict_low=True,
@@ -65,8 +77,8 @@ budget_lib.declare("bisr_b_init_temp", 1.2, float, low=0.0, strict_low=True,
                    doc="BiSR(b): temperature of the init softmax(SIP logits / temp)",
                    source="SplitLLM [CR]BiSR(b+f).sh gpt2-large")
 
-# AdamW as in SplitLLM's torch.optim.AdamW(betas=(0.9, 0.999), eps=1e-6).
-ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-6
+# AdamW's betas as in SplitLLM's torch.optim.AdamW(betas=(0.9, 0.999)).
+ADAM_B1, ADAM_B2 = 0.9, 0.999
 
 
 class State(NamedTuple):
@@ -83,8 +95,8 @@ class State(NamedTuple):
   first_bad: jax.Array
 
 
-def _adamw(lr, weight_decay) -> optax.GradientTransformation:
-  return optax.adamw(lr, b1=ADAM_B1, b2=ADAM_B2, eps=ADAM_EPS, weight_decay=weight_decay)
+def _adamw(lr, weight_decay, eps) -> optax.GradientTransformation:
+  return optax.adamw(lr, b1=ADAM_B1, b2=ADAM_B2, eps=eps, weight_decay=weight_decay)
 
 
 def matching_loss(wte, lin: downstream.Linearized, norm, target, gt, beta) -> jax.Array:
@@ -98,22 +110,23 @@ def matching_loss(wte, lin: downstream.Linearized, norm, target, gt, beta) -> ja
 def start(gt: jax.Array) -> State:
   """The state at step 0 for an initial gt [C, T, V] (inside the init's executable: a
   separate zero-FLOP executable would have no XLA cost analysis)."""
-  return State(gt, _adamw(0.0, 0.0).init(gt), jnp.full(gt.shape[:1], -1, jnp.int32))
+  return State(gt, _adamw(0.0, 0.0, 1.0).init(gt), jnp.full(gt.shape[:1], -1, jnp.int32))
 
 
 @jax.jit
 def step(wte, lin: downstream.Linearized, norm, target, state: State, t, hyper: dict):
   """One AdamW step for every document of the chunk: (new state, [C] loss before it).
 
-  hyper: {"lr", "beta", "weight_decay"} float32 scalars (traced, so that one executable
-  serves every budget).
+  hyper: {"lr", "beta", "weight_decay", "eps"} float32 scalars (traced, so that one
+  executable serves every budget).
   """
   def total(gt):
     losses = matching_loss(wte, lin, norm, target, gt, hyper["beta"])
     return losses.sum(), losses
 
   grads, losses = jax.grad(total, has_aux=True)(state.gt)
-  updates, opt = _adamw(hyper["lr"], hyper["weight_decay"]).update(grads, state.opt, state.gt)
+  adamw = _adamw(hyper["lr"], hyper["weight_decay"], hyper["eps"])
+  updates, opt = adamw.update(grads, state.opt, state.gt)
   bad = ~jnp.isfinite(losses) | ~jnp.all(jnp.isfinite(grads), axis=(1, 2))
   first_bad = jnp.where((state.first_bad < 0) & bad, t, state.first_bad)
   return State(optax.apply_updates(state.gt, updates), opt, first_bad), losses
@@ -180,10 +193,18 @@ class Hyper:
   lr: float
   beta: float
   weight_decay: float
+  eps: float
+
+  @classmethod
+  def of(cls, budget, steps: str, lr: str) -> "Hyper":
+    """The loop's settings from a budget view: its own steps and lr fields, and the
+    matching loss and AdamW fields the three attacks share."""
+    return cls(int(budget[steps]), float(budget[lr]), float(budget.tag_beta),
+               float(budget.tag_weight_decay), float(budget.tag_adam_eps))
 
   def arrays(self) -> dict:
     return {"lr": jnp.float32(self.lr), "beta": jnp.float32(self.beta),
-            "weight_decay": jnp.float32(self.weight_decay)}
+            "weight_decay": jnp.float32(self.weight_decay), "eps": jnp.float32(self.eps)}
 
 
 def norms(ws: Workspace) -> np.ndarray:
@@ -272,7 +293,7 @@ def random_tag_init(key: jax.Array) -> InitFn:
 def summary(losses: np.ndarray, hyper: Hyper, **extra) -> dict:
   """The record's details common to the matching attacks."""
   return {"steps": hyper.steps, "lr": hyper.lr, "beta": hyper.beta,
-          "weight_decay": hyper.weight_decay,
+          "weight_decay": hyper.weight_decay, "adam_eps": hyper.eps,
           "matching_loss_final_mean": float(np.mean(losses)),
           "matching_loss_final": [float(x) for x in losses],
           "labels": "softmax(gt) of an init that is already a distribution (SplitLLM's "
@@ -282,7 +303,8 @@ def summary(losses: np.ndarray, hyper: Hyper, **extra) -> dict:
 
 # --- TAG ------------------------------------------------------------------------------------
 
-TAG_FIELDS = ("tag_steps", "tag_lr", "tag_beta", "tag_weight_decay", "ridge_alpha")
+SHARED_FIELDS = ("tag_beta", "tag_weight_decay", "tag_adam_eps")
+TAG_FIELDS = ("tag_steps", "tag_lr") + SHARED_FIELDS + ("ridge_alpha",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +312,7 @@ class TagAttack:
   spec: registry.AttackSpec
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    hyper = Hyper(int(budget.tag_steps), float(budget.tag_lr), float(budget.tag_beta),
-                  float(budget.tag_weight_decay))
+    hyper = Hyper.of(budget, "tag_steps", "tag_lr")
     position0 = ridge_position0(ws)
     tokens, losses = optimise(ws, self.spec.name, hyper, random_tag_init(key), position0)
     details = summary(losses, hyper, init="softmax(randn), per document fold_in(key, doc)",
@@ -324,7 +345,7 @@ registry.register(TagAttack(registry.AttackSpec(
 # (metered through the workspace): SIP's inverter for BiSR(b).
 LogitsProvider = Callable[[Workspace, object, jax.Array], Callable[[jax.Array], jax.Array]]
 
-BISR_B_FIELDS = ("bisr_b_steps", "bisr_b_lr", "bisr_b_init_temp", "tag_beta", "tag_weight_decay")
+BISR_B_FIELDS = ("bisr_b_steps", "bisr_b_lr", "bisr_b_init_temp") + SHARED_FIELDS
 
 
 def tempered(logits_of_h: Callable[[jax.Array], jax.Array], temperature: float) -> InitFn:
@@ -349,8 +370,7 @@ class BisrBAttack:
   init_name: str
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    hyper = Hyper(int(budget.bisr_b_steps), float(budget.bisr_b_lr), float(budget.tag_beta),
-                  float(budget.tag_weight_decay))
+    hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
     temperature = float(budget.bisr_b_init_temp)
     init = tempered(self.init_logits(ws, budget, key), temperature)
     tokens, losses = optimise(ws, self.spec.name, hyper, init, None)

@@ -232,8 +232,8 @@ class Phases:
             "selection": "per document (SplitLLM: one candidate index per batch)"}
 
 
-LAMP_FIELDS = ("lamp_steps", "lamp_lr", "lamp_freq", "lamp_candidates", "lamp_prior_weight",
-               "tag_beta", "tag_weight_decay", "ridge_alpha")
+LAMP_FIELDS = ("lamp_steps", "lamp_lr", "lamp_freq", "lamp_candidates", "lamp_prior_weight") \
+    + gradmatch.SHARED_FIELDS + ("ridge_alpha",)
 
 
 def phase_flops(ws: Workspace, num_candidates: int) -> float:
@@ -252,8 +252,7 @@ class LampAttack:
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     if ws.seq_len < 3:
       raise ValueError(f"lamp needs documents of at least 3 tokens, got T={ws.seq_len}")
-    hyper = gradmatch.Hyper(int(budget.lamp_steps), float(budget.lamp_lr),
-                            float(budget.tag_beta), float(budget.tag_weight_decay))
+    hyper = gradmatch.Hyper.of(budget, "lamp_steps", "lamp_lr")
     phases = Phases(key, int(budget.lamp_freq), int(budget.lamp_candidates),
                     float(budget.lamp_prior_weight), hyper.beta, self.spec.name)
     position0 = gradmatch.ridge_position0(ws)
