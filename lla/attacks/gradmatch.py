@@ -12,9 +12,12 @@ and the prediction at position t >= 1 is argmax gt[t] (the label of logits t-1).
 initialises gt with a distribution (softmax(randn) for TAG, softmax(SIP logits / 1.2) for
 BiSR(b)) and softmaxes it *again* in the loss; that double softmax is kept (it flattens the
 initial labels). Position 0 is nobody's label: g carries nothing about it. BiSR(b) keeps
-its initialiser's guess there (as published); TAG and LAMP take the ridge decoder's
-nearest token of h[0] (the attack reads h anyway, and this is the cheapest decoder of it;
-the calibration's most common token is the alternative, and is far weaker after a cut).
+its initialiser's guess there (as published); TAG and LAMP take the position-0 step of the
+activation beam search (PROTOCOL section 4): the ridge decoder's C candidates, the one whose
+client message is nearest h[0]. The attack reads h anyway and this costs C one-token client
+steps per document; the calibration's most common token is the alternative and is far
+weaker (main job, k = 6 public, 128 documents: 6% at position 0, ridge's nearest 60%, this
+step 80%).
 
 g(Y) comes from `downstream.linearize` (computed once per document; each step is one VJP
 and one JVP, no double backward; SplitLLM differentiates twice through PyTorch). The loop
@@ -50,6 +53,7 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
+from lla.model import split
 
 FAMILY = "gradient_matching"
 
@@ -277,9 +281,31 @@ def loop_flops(ws: Workspace, steps: int) -> float:
   return ws.num_docs * per_doc
 
 
-def ridge_position0(ws: Workspace) -> np.ndarray:
-  """[B] the ridge decoder's nearest token at position 0 (stage `activation_candidates`)."""
-  return ws.activation_ranked(1)[:, 0, 0]
+def activation_position0(ws: Workspace, num_candidates: int) -> np.ndarray:
+  """[B] int32 position 0 by the activation beam search's first step: of the ridge
+  decoder's `num_candidates` nearest tokens (stage `activation_candidates`), the one whose
+  client message is nearest h[0]."""
+  candidates = ws.activation_ranked(num_candidates)[:, 0].astype(np.int32)
+  first = np.ascontiguousarray(ws.activations[:, 0])
+  bytes_per_doc = 4.0 * num_candidates * ws.cfg.n_embd * 8
+  tokens = ws.map_call(nearest_first_message, (first, candidates), bytes_per_doc,
+                       consts=(ws.params,), cfg=ws.cfg, k=ws.cut)
+  return tokens.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def nearest_first_message(params, h0: jax.Array, candidates: jax.Array, cfg, k: int):
+  """h0 [C, d], candidates [C, n] -> [C] int32 the candidate whose one-token client message
+  is nearest h0 (ties: the better-ranked candidate, as in the beam search)."""
+  docs, num = candidates.shape
+  messages = split.client(params, cfg, candidates.reshape(-1, 1), k).reshape(docs, num, -1)
+  distance = jnp.sum((messages - h0[:, None]) ** 2, axis=-1)
+  return jnp.take_along_axis(candidates, jnp.argmin(distance, axis=1)[:, None], 1)[:, 0]
+
+
+def position0_flops(ws: Workspace, num_candidates: int) -> float:
+  """num_candidates one-token client forwards per document (qkv, projection, MLP)."""
+  return ws.num_docs * num_candidates * ws.cut * 24.0 * ws.cfg.n_embd**2
 
 
 def random_tag_init(key: jax.Array) -> InitFn:
@@ -304,7 +330,9 @@ def summary(losses: np.ndarray, hyper: Hyper, **extra) -> dict:
 # --- TAG ------------------------------------------------------------------------------------
 
 SHARED_FIELDS = ("tag_beta", "tag_weight_decay", "tag_adam_eps")
-TAG_FIELDS = ("tag_steps", "tag_lr") + SHARED_FIELDS + ("ridge_alpha",)
+# Position 0: the ridge decoder's `candidates`, checked through the client.
+POSITION0_FIELDS = ("candidates", "ridge_alpha")
+TAG_FIELDS = ("tag_steps", "tag_lr") + SHARED_FIELDS + POSITION0_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,13 +341,15 @@ class TagAttack:
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     hyper = Hyper.of(budget, "tag_steps", "tag_lr")
-    position0 = ridge_position0(ws)
+    position0 = activation_position0(ws, int(budget.candidates))
     tokens, losses = optimise(ws, self.spec.name, hyper, random_tag_init(key), position0)
     details = summary(losses, hyper, init="softmax(randn), per document fold_in(key, doc)",
-                      position0="ridge decoder's nearest token")
-    return registry.AttackResult(tokens, loop_flops(ws, hyper.steps), details)
+                      position0=POSITION0)
+    flops = loop_flops(ws, hyper.steps) + position0_flops(ws, int(budget.candidates))
+    return registry.AttackResult(tokens, flops, details)
 
 
+POSITION0 = "the activation beam search's position-0 step over the ridge's candidates"
 GM_THREAT = ("passive server in training: reads h and g of one step and runs its own "
              "downstream part (blocks k.., ln_f, head; the attacker's weights) to find the soft "
              "labels whose gradient matches g")
@@ -330,7 +360,8 @@ registry.register(TagAttack(registry.AttackSpec(
     "tag", FAMILY, ("activations", "gradients"), budget_fields=TAG_FIELDS,
     description="TAG in split learning: soft labels fitted by gradient matching (L2 + L1)",
     reference="Deng et al. 2021 (TAG); SplitLLM TAGAttacker (published-attacks.md 3b, 5b)",
-    threat_model=GM_THREAT + "; position 0 from the ridge decoder of h",
+    threat_model=GM_THREAT + "; position 0 from h (ridge candidates checked through its "
+    "client)",
     capabilities=GM_CAPABILITIES,
     checks=(("reference_consistency",
              "tests/test_attacks_gradmatch.py::test_linearised_gradient_equals_jax_grad",

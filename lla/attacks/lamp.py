@@ -8,7 +8,7 @@ span, 3: move a prefix to the end) with SplitLLM's index ranges (position 0, whi
 label, never moves; moves 0 and 3 also keep the last position, a leftover of LAMP's [SEP]
 token). Each candidate is scored by its gradient-matching loss plus `lamp_prior_weight` x
 the mean next-token NLL of its argmax tokens under the attacker's whole GPT-2 (the LM
-prior; position 0 holds the ridge decoder's token, as TAG predicts it), and the document
+prior; position 0 holds TAG's position-0 prediction from h), and the document
 keeps the lowest score (the identity on ties, so the scored objective never rises).
 
 Faithful details and deviations (also in each record):
@@ -233,7 +233,7 @@ class Phases:
 
 
 LAMP_FIELDS = ("lamp_steps", "lamp_lr", "lamp_freq", "lamp_candidates", "lamp_prior_weight") \
-    + gradmatch.SHARED_FIELDS + ("ridge_alpha",)
+    + gradmatch.SHARED_FIELDS + gradmatch.POSITION0_FIELDS
 
 
 def phase_flops(ws: Workspace, num_candidates: int) -> float:
@@ -255,16 +255,17 @@ class LampAttack:
     hyper = gradmatch.Hyper.of(budget, "lamp_steps", "lamp_lr")
     phases = Phases(key, int(budget.lamp_freq), int(budget.lamp_candidates),
                     float(budget.lamp_prior_weight), hyper.beta, self.spec.name)
-    position0 = gradmatch.ridge_position0(ws)
+    position0 = gradmatch.activation_position0(ws, int(budget.candidates))
     bytes_per_doc = gradmatch.state_bytes_per_doc(ws) + min(8, phases.num_candidates) * \
         candidate_bytes(ws)
     tokens, losses = gradmatch.optimise(ws, self.spec.name, hyper, gradmatch.random_tag_init(key),
                                         position0, hook=phases, bytes_per_doc=bytes_per_doc)
     num_phases = len(range(0, hyper.steps, phases.freq))
     flops = (gradmatch.loop_flops(ws, hyper.steps)
+             + gradmatch.position0_flops(ws, int(budget.candidates))
              + ws.num_docs * num_phases * phase_flops(ws, phases.num_candidates))
     details = gradmatch.summary(losses, hyper, init="softmax(randn), per document",
-                                position0="ridge decoder's nearest token", **phases.details())
+                                position0=gradmatch.POSITION0, **phases.details())
     return registry.AttackResult(tokens, flops, details)
 
 
