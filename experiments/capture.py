@@ -6,6 +6,7 @@
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.capture import runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Capture config.", lock_config=True)
@@ -14,6 +15,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Capture directory to write.", r
 
 def main(argv):
   del argv
+  runtime.configure()
   sha = runner.capture_from_config(_CONFIG.value, _WORKDIR.value)
   logging.info("capture written to %s (manifest sha256 %s)", _WORKDIR.value, sha)
   print(f"capture: {_WORKDIR.value} manifest sha256 {sha}")
