@@ -1,4 +1,4 @@
-"""Gradient matching over soft labels in split learning: TAG and BiSR(b).
+"""Gradient matching over soft labels in split learning: TAG, BiSR(b) and the BiSR chain.
 
 The server holds h, the returned g and its own downstream part (blocks k.., ln_f, tied
 head; the attacker's `ws.params`). The unknown is the client's labels, i.e. its next
@@ -49,9 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lla.attacks import bisr_f
 from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
 from lla.attacks import registry
+from lla.attacks import sip
 from lla.attacks.workspace import Workspace
 from lla.model import split
 
@@ -370,13 +372,36 @@ registry.register(TagAttack(registry.AttackSpec(
              "a tiny random GPT-2: loss falls, recovery beats the frequency baseline")))))
 
 
-# --- BiSR(b) --------------------------------------------------------------------------------
+# --- BiSR(b) and the BiSR chain ----------------------------------------------------------
 
-# (workspace, budget, key) -> a function of an h chunk [C, T, d] giving init logits [C, T, V]
-# (metered through the workspace): SIP's inverter for BiSR(b).
-LogitsProvider = Callable[[Workspace, object, jax.Array], Callable[[jax.Array], jax.Array]]
+
+@dataclasses.dataclass(frozen=True)
+class InitLogits:
+  """Where BiSR(b)'s init logits come from.
+
+  Attributes:
+    name: what the record calls it.
+    logits: h chunk [C, T, d] -> logits [C, T, V] (metered through the workspace).
+    flops: analytic FLOPs of `logits` over every document (a stage it trained on is
+      charged by the workspace).
+  """
+
+  name: str
+  logits: Callable[[jax.Array], jax.Array]
+  flops: float
+
+
+# (workspace, budget, key) -> InitLogits.
+InitProvider = Callable[[Workspace, object, jax.Array], InitLogits]
 
 BISR_B_FIELDS = ("bisr_b_steps", "bisr_b_lr", "bisr_b_init_temp") + SHARED_FIELDS
+
+
+def sip_init(ws: Workspace, budget, key: jax.Array) -> InitLogits:
+  """SIP's GRU inverter (the shared stage `sip_gru`), as the BiSR scripts use it."""
+  inv = sip.inverter(ws, budget, key, "gru")
+  return InitLogits("SIP (GRU)", functools.partial(inv.logits, ws),
+                    inv.inference_flops(ws.num_docs, ws.seq_len, ws.cfg.n_embd))
 
 
 def tempered(logits_of_h: Callable[[jax.Array], jax.Array], temperature: float) -> InitFn:
@@ -386,27 +411,73 @@ def tempered(logits_of_h: Callable[[jax.Array], jax.Array], temperature: float) 
   return init
 
 
+def backward_stage(ws: Workspace, budget, key: jax.Array, init_provider: InitProvider,
+                   name: str):
+  """BiSR(b) on every document: (tokens [B, T] int32, details, analytic FLOPs).
+
+  Position 0 keeps the init's guess: no gradient reaches it, as published.
+  """
+  hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
+  temperature = float(budget.bisr_b_init_temp)
+  init = init_provider(ws, budget, key)
+  tokens, losses = optimise(ws, name, hyper, tempered(init.logits, temperature), None)
+  details = summary(losses, hyper, init=f"softmax({init.name} logits / {temperature:g})",
+                    position0=f"argmax of the {init.name} init (no gradient reaches it)")
+  flops = (loop_flops(ws, hyper.steps) + init.flops
+           + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size)  # the tempered softmax
+  return tokens, details, flops
+
+
 @dataclasses.dataclass(frozen=True)
 class BisrBAttack:
-  """BiSR(b): the matching loop from softmax(init logits / temp); position 0 keeps the
-  initialiser's guess (g carries nothing about it), as published.
-
-  Attributes:
-    init_logits: where the init logits come from (SIP's inverter in the registered attack).
-    init_name: what the record calls that init.
-  """
+  """BiSR(b): the matching loop from softmax(init logits / temp)."""
 
   spec: registry.AttackSpec
-  init_logits: LogitsProvider
-  init_name: str
+  init_provider: InitProvider = sip_init
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
-    temperature = float(budget.bisr_b_init_temp)
-    init = tempered(self.init_logits(ws, budget, key), temperature)
-    tokens, losses = optimise(ws, self.spec.name, hyper, init, None)
-    details = summary(losses, hyper, init=f"softmax({self.init_name} logits / {temperature:g})",
-                      position0=f"argmax of the {self.init_name} init (no gradient reaches it)")
-    # The init's own FLOPs are metered where it runs; the analytic count adds the softmax.
-    flops = loop_flops(ws, hyper.steps) + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size
+    tokens, details, flops = backward_stage(ws, budget, key, self.init_provider, self.spec.name)
     return registry.AttackResult(tokens, flops, details)
+
+
+@dataclasses.dataclass(frozen=True)
+class BisrAttack:
+  """BiSR(b+f): SIP, then BiSR(b) on the labels, then BiSR(f) on the input embeddings
+  from BiSR(b)'s tokens (SplitLLM's [CR]BiSR(b+f) chain)."""
+
+  spec: registry.AttackSpec
+  init_provider: InitProvider = sip_init
+
+  def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
+    tokens, details_b, flops_b = backward_stage(ws, budget, key, self.init_provider,
+                                                self.spec.name)
+    predictions, details_f = bisr_f.refine(ws, budget, tokens, self.spec.name)
+    flops_f = bisr_f.refine_flops(ws.cfg, ws.cut, ws.num_docs, ws.seq_len,
+                                  int(budget.bisr_f_steps))
+    details = {"bisr_b": details_b, "bisr_f": details_f,
+               "bisr_b_tokens_changed_by_f": float(np.mean(predictions != tokens))}
+    return registry.AttackResult(predictions, flops_b + flops_f, details)
+
+
+_BISR_REFERENCE = "Chen et al. CCS'24 (BiSR); SplitLLM TAGAttacker, SmashedDataMatchingAttacker"
+_SIP_THREAT = "; trains SIP on its calibration documents through its copy of the client"
+
+registry.register(BisrBAttack(registry.AttackSpec(
+    "bisr_b", FAMILY, ("activations", "gradients"), budget_fields=sip.FIELDS + BISR_B_FIELDS,
+    description="BiSR(b): SIP's logits refined by gradient matching over soft labels",
+    reference=_BISR_REFERENCE + " (published-attacks.md 3b)",
+    threat_model=GM_THREAT + _SIP_THREAT, capabilities=GM_CAPABILITIES,
+    checks=(("synthetic", "tests/test_attacks_gradmatch.py::test_tag_and_bisr_b_recover_labels",
+             "a tiny random GPT-2: loss falls, recovery beats its init and the frequency "
+             "baseline"),))))
+
+registry.register(BisrAttack(registry.AttackSpec(
+    "bisr", FAMILY, ("activations", "gradients"),
+    budget_fields=sip.FIELDS + BISR_B_FIELDS + bisr_f.FIELDS,
+    description="BiSR(b+f): SIP -> gradient matching over labels -> forward matching of "
+    "input embeddings",
+    reference=_BISR_REFERENCE + " (published-attacks.md 3b-3c)",
+    threat_model=GM_THREAT + _SIP_THREAT + "; then matches h with its client",
+    capabilities=GM_CAPABILITIES,
+    checks=(("synthetic", "tests/test_attacks_gradmatch.py::test_bisr_chain_runs_b_then_f",
+             "the chain's BiSR(f) starts from BiSR(b)'s tokens and keeps or improves them"),))))
