@@ -188,13 +188,15 @@ class Chunk:
 
 
 # (workspace, chunk, h [C, T, d]) -> the State at step 0 (gt [C, T, V]).
-InitFn = Callable[[Workspace, Chunk, jax.Array], jax.Array]
+InitFn = Callable[[Workspace, Chunk, jax.Array], State]
 # (workspace, chunk, state, step just taken) -> state: a discrete move after a step (LAMP).
 HookFn = Callable[[Workspace, Chunk, State, int], State]
 
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
+  """The loop's settings: steps, AdamW (lr, weight decay, eps) and the loss's beta."""
+
   steps: int
   lr: float
   beta: float
@@ -228,7 +230,11 @@ def state_bytes_per_doc(ws: Workspace) -> float:
 
 def optimise(ws: Workspace, name: str, hyper: Hyper, init: InitFn, position0: np.ndarray | None,
              hook: HookFn | None = None, bytes_per_doc: float | None = None):
-  """Runs the matching loop over every document: (tokens [B, T] int32, loss [B] float32).
+  """Runs the matching loop over every document.
+
+  Returns:
+    (tokens [B, T] int32, final loss [B] float32, initial loss [B] float32: the loss at the
+    init, or the final one when no step ran).
 
   Raises:
     FloatingPointError: a non-finite loss or gradient, naming the step and document.
@@ -243,9 +249,10 @@ def optimise(ws: Workspace, name: str, hyper: Hyper, init: InitFn, position0: np
   def per_chunk(h, g, norm, doc_index, pos0):
     lin = ws.call(downstream.linearize, ws.params, h, cfg=ws.cfg, k=ws.cut)
     chunk = Chunk(lin, g, norm, np.asarray(doc_index), np.asarray(pos0) if has_position0 else None)
-    state = init(ws, chunk, h)
+    state, initial = init(ws, chunk, h), None
     for t in range(hyper.steps):
-      state, _ = ws.call(step, wte, lin, norm, g, state, jnp.int32(t), arrays)
+      state, losses = ws.call(step, wte, lin, norm, g, state, jnp.int32(t), arrays)
+      initial = losses if initial is None else initial
       if hook is not None:
         state = hook(ws, chunk, state, t)
     tokens, losses, first_bad = ws.call(finish, wte, lin, norm, g, state, arrays["beta"])
@@ -259,12 +266,12 @@ def optimise(ws: Workspace, name: str, hyper: Hyper, init: InitFn, position0: np
     tokens = np.array(tokens)
     if chunk.position0 is not None:
       tokens[:, 0] = chunk.position0
-    return tokens, np.asarray(losses)
+    return tokens, np.asarray(losses), np.asarray(losses if initial is None else initial)
 
-  tokens, losses = ws.map_documents(
+  tokens, losses, initial = ws.map_documents(
       per_chunk, (ws.activations, ws.gradients, norms(ws), ws.doc_index, position0),
       bytes_per_doc or state_bytes_per_doc(ws))
-  return tokens.astype(np.int32), losses.astype(np.float32)
+  return tokens.astype(np.int32), losses.astype(np.float32), initial.astype(np.float32)
 
 
 def step_flops(ws: Workspace) -> float:
@@ -318,10 +325,11 @@ def random_tag_init(key: jax.Array) -> InitFn:
   return init
 
 
-def summary(losses: np.ndarray, hyper: Hyper, **extra) -> dict:
+def summary(losses: np.ndarray, initial: np.ndarray, hyper: Hyper, **extra) -> dict:
   """The record's details common to the matching attacks."""
   return {"steps": hyper.steps, "lr": hyper.lr, "beta": hyper.beta,
           "weight_decay": hyper.weight_decay, "adam_eps": hyper.eps,
+          "matching_loss_initial_mean": float(np.mean(initial)),
           "matching_loss_final_mean": float(np.mean(losses)),
           "matching_loss_final": [float(x) for x in losses],
           "labels": "softmax(gt) of an init that is already a distribution (SplitLLM's "
@@ -344,8 +352,8 @@ class TagAttack:
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
     hyper = Hyper.of(budget, "tag_steps", "tag_lr")
     position0 = activation_position0(ws, int(budget.candidates))
-    tokens, losses = optimise(ws, self.spec.name, hyper, random_tag_init(key), position0)
-    details = summary(losses, hyper, init="softmax(randn), per document fold_in(key, doc)",
+    tokens, losses, initial = optimise(ws, self.spec.name, hyper, random_tag_init(key), position0)
+    details = summary(losses, initial, hyper, init="softmax(randn), per document fold_in(key, doc)",
                       position0=POSITION0)
     flops = loop_flops(ws, hyper.steps) + position0_flops(ws, int(budget.candidates))
     return registry.AttackResult(tokens, flops, details)
@@ -420,8 +428,8 @@ def backward_stage(ws: Workspace, budget, key: jax.Array, init_provider: InitPro
   hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
   temperature = float(budget.bisr_b_init_temp)
   init = init_provider(ws, budget, key)
-  tokens, losses = optimise(ws, name, hyper, tempered(init.logits, temperature), None)
-  details = summary(losses, hyper, init=f"softmax({init.name} logits / {temperature:g})",
+  tokens, losses, initial = optimise(ws, name, hyper, tempered(init.logits, temperature), None)
+  details = summary(losses, initial, hyper, init=f"softmax({init.name} logits / {temperature:g})",
                     position0=f"argmax of the {init.name} init (no gradient reaches it)")
   flops = (loop_flops(ws, hyper.steps) + init.flops
            + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size)  # the tempered softmax

@@ -256,15 +256,17 @@ class LampAttack:
     phases = Phases(key, int(budget.lamp_freq), int(budget.lamp_candidates),
                     float(budget.lamp_prior_weight), hyper.beta, self.spec.name)
     position0 = gradmatch.activation_position0(ws, int(budget.candidates))
-    bytes_per_doc = gradmatch.state_bytes_per_doc(ws) + min(8, phases.num_candidates) * \
-        candidate_bytes(ws)
-    tokens, losses = gradmatch.optimise(ws, self.spec.name, hyper, gradmatch.random_tag_init(key),
-                                        position0, hook=phases, bytes_per_doc=bytes_per_doc)
+    # A chunk leaves room to score at least 8 candidates per block.
+    bytes_per_doc = (gradmatch.state_bytes_per_doc(ws)
+                     + min(8, phases.num_candidates) * candidate_bytes(ws))
+    tokens, losses, initial = gradmatch.optimise(
+        ws, self.spec.name, hyper, gradmatch.random_tag_init(key), position0, hook=phases,
+        bytes_per_doc=bytes_per_doc)
     num_phases = len(range(0, hyper.steps, phases.freq))
     flops = (gradmatch.loop_flops(ws, hyper.steps)
              + gradmatch.position0_flops(ws, int(budget.candidates))
              + ws.num_docs * num_phases * phase_flops(ws, phases.num_candidates))
-    details = gradmatch.summary(losses, hyper, init="softmax(randn), per document",
+    details = gradmatch.summary(losses, initial, hyper, init="softmax(randn), per document",
                                 position0=gradmatch.POSITION0, **phases.details())
     return registry.AttackResult(tokens, flops, details)
 
@@ -276,7 +278,9 @@ registry.register(LampAttack(registry.AttackSpec(
     threat_model=gradmatch.GM_THREAT + "; the attacker's whole GPT-2 is its language prior",
     capabilities=gradmatch.GM_CAPABILITIES + ("lamp_freq honoured",),
     checks=(("reference_consistency",
-             "tests/test_attacks_gradmatch.py::test_lamp_moves_match_splitllm_and_are_permutations",
+             "tests/test_attacks_gradmatch.py::"
+             "test_lamp_moves_match_splitllm_and_are_permutations",
              "a numpy port of SplitLLM's _lamp index arithmetic"),
-            ("synthetic", "tests/test_attacks_gradmatch.py::test_lamp_discrete_step_never_raises_score",
+            ("synthetic",
+             "tests/test_attacks_gradmatch.py::test_lamp_discrete_step_never_raises_score",
              "the identity candidate bounds each phase's chosen score")))))
