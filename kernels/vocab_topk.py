@@ -26,6 +26,12 @@ none. Empty slots hold key INT32_MIN and distinct indices >= 2^30; excluded and 
 columns get the key of -inf and INT32_MIN respectively, so they never displace a real
 score. The k slots are sorted (key descending, index ascending) after the kernel.
 
+Parallelism. On GPU the grid is (row blocks, vocabulary splits): with few query rows
+(SipIt verifies a handful of documents at a time) one program per row block would leave
+most of the GPU idle, so the vocabulary is split among programs, each keeping its own
+top-k, and the splits' slots are merged by the same final sort. On TPU the vocabulary is
+the sequential grid axis and the row blocks the parallel one.
+
 Precision (`precision`, default: JAX's `jax_default_matmul_precision`, which
 lla.runtime.configure sets): "float32" multiplies in full float32 (Triton IEEE, Mosaic
 HIGHEST); "tensorfloat32" uses TF32 on GPU and 3-pass bf16 on TPU; "bfloat16" casts x and
@@ -59,6 +65,9 @@ _SIGN_FLIP = 0x7FFFFFFF
 
 # Untuned starting points (no accelerator was available when they were chosen).
 _TRITON_BLOCKS = dict(rows=64, vocab=128, depth=256, num_warps=4, num_stages=2)
+# Triton programs aimed for (about two per streaming multiprocessor of an H100/H200): with
+# few row blocks the vocabulary is split among programs, whose top-k are merged after.
+_TRITON_PROGRAMS = 264
 _MOSAIC_BLOCKS = dict(rows=128, vocab=512)
 
 
@@ -153,15 +162,25 @@ def _empty_slots(rows: int, slots: int):
   return keys, idx
 
 
-# --- GPU (Triton): one program per row block, the vocabulary loop inside ------------------
+# --- GPU (Triton): a program per (row block, vocabulary split), the tile loop inside -------
+
+
+def vocab_splits_for(row_blocks: int, tiles: int, splits: int | None = None) -> tuple[int, int]:
+  """(splits, tiles per split) of the Triton grid: enough programs to fill the GPU when
+  there are few row blocks (SipIt's handful of rows), one split when there are many."""
+  if splits is None:
+    splits = -(-_TRITON_PROGRAMS // row_blocks)
+  per_split = -(-tiles // max(1, min(splits, tiles)))
+  return -(-tiles // per_split), per_split
 
 
 def _triton_kernel(x_ref, e_ref, x_norms_ref, e_norms_ref, mask_ref, keys_ref, idx_ref, *,
-                   kind: str, vocab: int, block_vocab: int, depth: int, mode: str):
+                   kind: str, vocab: int, block_vocab: int, depth: int, tiles_per_split: int,
+                   mode: str):
   from jax.experimental.pallas import triton as pltriton  # GPU-only module
 
   rows, d = x_ref.shape
-  slots = keys_ref.shape[1]
+  slots = keys_ref.shape[-1]
   x_norms = x_norms_ref[...][:, None] if kind == "neg_sq_dist" else None
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, block_vocab), 1)
 
@@ -187,13 +206,15 @@ def _triton_kernel(x_ref, e_ref, x_norms_ref, e_norms_ref, mask_ref, keys_ref, i
     tile_keys = _tile_keys(dots, x_norms, e_norms, excluded, cols, kind, vocab)
     return _merge(keys, idx, tile_keys, cols, slots)
 
-  keys, idx = jax.lax.fori_loop(0, pl.cdiv(vocab, block_vocab), tile,
-                                _empty_slots(rows, slots))
+  first = pl.program_id(1) * tiles_per_split
+  last = jnp.minimum(first + tiles_per_split, pl.cdiv(vocab, block_vocab))
+  keys, idx = jax.lax.fori_loop(first, last, tile, _empty_slots(rows, slots))
   keys_ref[...] = keys
   idx_ref[...] = idx
 
 
-def _triton_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret):
+def _triton_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret, splits):
+  """[splits, R, slots] keys and indices: each split's own top-`slots`."""
   from jax.experimental.pallas import triton as pltriton  # GPU-only module
 
   r, d = x.shape
@@ -203,22 +224,22 @@ def _triton_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret)
   if depth < 16:
     raise ValueError(f"the Triton kernel needs d divisible by 16, got d={d}")
   rows = b["rows"]
-  grid = (r // rows,)
-  whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-  in_specs = [pl.BlockSpec((rows, d), lambda i: (i, 0)), whole((vocab, d)),
-              pl.BlockSpec((rows,), lambda i: (i,)), whole((vocab,))]
+  splits, tiles_per_split = vocab_splits_for(r // rows, pl.cdiv(vocab, b["vocab"]), splits)
+  whole = lambda shape: pl.BlockSpec(shape, lambda i, s: (0,) * len(shape))
+  in_specs = [pl.BlockSpec((rows, d), lambda i, s: (i, 0)), whole((vocab, d)),
+              pl.BlockSpec((rows,), lambda i, s: (i,)), whole((vocab,))]
   operands = [x, table, x_norms, e_norms]
   if mask is not None:
-    in_specs.append(pl.BlockSpec((rows, vocab), lambda i: (i, 0)))
+    in_specs.append(pl.BlockSpec((rows, vocab), lambda i, s: (i, 0)))
     operands.append(mask)
-  kernel = functools.partial(_triton_kernel, kind=kind, vocab=vocab,
-                             block_vocab=b["vocab"], depth=depth, mode=mode)
+  kernel = functools.partial(_triton_kernel, kind=kind, vocab=vocab, block_vocab=b["vocab"],
+                             depth=depth, tiles_per_split=tiles_per_split, mode=mode)
   if mask is None:
     kernel = _without_mask(kernel, num_inputs=4)
-  out_spec = pl.BlockSpec((rows, slots), lambda i: (i, 0))
+  out_spec = pl.BlockSpec((None, rows, slots), lambda i, s: (s, i, 0))
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=[out_spec, out_spec],
-      out_shape=[jax.ShapeDtypeStruct((r, slots), jnp.int32)] * 2,
+      kernel, grid=(r // rows, splits), in_specs=in_specs, out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct((splits, r, slots), jnp.int32)] * 2,
       compiler_params=pltriton.CompilerParams(num_warps=b["num_warps"],
                                               num_stages=b["num_stages"]),
       interpret=interpret, name="vocab_topk_triton")(*operands)
@@ -246,9 +267,12 @@ def _mosaic_kernel(x_ref, e_ref, x_norms_ref, e_norms_ref, mask_ref, keys_ref, i
   keys_ref[...], idx_ref[...] = _merge(keys_ref[...], idx_ref[...], tile_keys, cols, slots)
 
 
-def _mosaic_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret):
+def _mosaic_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret, splits):
+  """[1, R, slots] keys and indices (the vocabulary in one split: a TPU's one or two cores
+  are filled by the row blocks)."""
   from jax.experimental.pallas import tpu as pltpu  # TPU-only module
 
+  del splits
   r, d = x.shape
   vocab = table.shape[0]
   rows, block_vocab = min(_MOSAIC_BLOCKS["rows"], r), _MOSAIC_BLOCKS["vocab"]
@@ -265,11 +289,12 @@ def _mosaic_call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret)
   if mask is None:
     kernel = _without_mask(kernel, num_inputs=4)
   out_spec = pl.BlockSpec((rows, slots), lambda i, t: (i, 0))
-  return pl.pallas_call(
+  keys, idx = pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=[out_spec, out_spec],
       out_shape=[jax.ShapeDtypeStruct((r, slots), jnp.int32)] * 2,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret, name="vocab_topk_mosaic")(*operands)
+  return keys[None], idx[None]
 
 
 def _without_mask(kernel, num_inputs: int):
@@ -290,7 +315,8 @@ def _row_multiple(impl: str, rows: int) -> int:
   return _MOSAIC_BLOCKS["rows"] if rows > _MOSAIC_BLOCKS["rows"] else -(-rows // 32) * 32
 
 
-def pallas_topk(x, table, k: int, kind: str, mask, impl: str, mode: str, interpret: bool):
+def pallas_topk(x, table, k: int, kind: str, mask, impl: str, mode: str, interpret: bool,
+                splits: int | None = None):
   """The kernel on x [R, d] (mask [R, V] or None): (values, indices) [R, k]."""
   r = x.shape[0]
   vocab = table.shape[0]
@@ -306,9 +332,10 @@ def pallas_topk(x, table, k: int, kind: str, mask, impl: str, mode: str, interpr
     mask = pad(mask.astype(jnp.int8))
   slots = 1 << (k - 1).bit_length()  # Triton tensors have power-of-two sizes
   call = _triton_call if impl == "triton" else _mosaic_call
-  keys, idx = call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret)
-  # Slots are unsorted: order by key descending, then index ascending; keep k.
-  inverted, idx = jax.lax.sort((~keys[:r], idx[:r]), dimension=1, num_keys=2)
+  keys, idx = call(x, table, x_norms, e_norms, mask, slots, kind, mode, interpret, splits)
+  # Each split's slots are unsorted: order all by key descending, then index ascending.
+  gather = lambda a: jnp.moveaxis(a[:, :r], 0, 1).reshape(r, -1)
+  inverted, idx = jax.lax.sort((~gather(keys), gather(idx)), dimension=1, num_keys=2)
   return _from_key(~inverted[:, :k]), idx[:, :k]
 
 
@@ -332,10 +359,12 @@ def _validate(x, table, k: int, kind: str, mask, impl: str) -> None:
                      f"{mask.dtype}{mask.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "kind", "impl", "precision", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "kind", "impl", "precision", "interpret",
+                                             "vocab_splits"))
 def topk(x: jax.Array, table: jax.Array, k: int, kind: str = "dot",
          mask: jax.Array | None = None, *, impl: str = "auto", precision: str | None = None,
-         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+         interpret: bool = False, vocab_splits: int | None = None
+         ) -> tuple[jax.Array, jax.Array]:
   """The k best table rows for every query row (module docstring).
 
   Args:
@@ -351,6 +380,8 @@ def topk(x: jax.Array, table: jax.Array, k: int, kind: str = "dot",
     precision: "float32", "tensorfloat32" or "bfloat16"; None: JAX's default matmul
       precision (module docstring).
     interpret: run the Pallas kernel in interpret mode (any backend; for tests).
+    vocab_splits: Triton only: programs the vocabulary is split among per row block
+      (None: enough to fill the GPU, `vocab_splits_for`).
 
   Returns:
     (values [..., k] float32, indices [..., k] int32), best first; ties go to the lower
@@ -369,7 +400,7 @@ def topk(x: jax.Array, table: jax.Array, k: int, kind: str = "dot",
       lead = x.shape[:-1]
       flat_mask = None if mask is None else mask.reshape(-1, table.shape[0])
       values, idx = pallas_topk(x.reshape(-1, x.shape[-1]), table, k, kind, flat_mask,
-                                which, mode, interpret)
+                                which, mode, interpret, vocab_splits)
       return values.reshape(lead + (k,)), idx.reshape(lead + (k,))
     return run
 

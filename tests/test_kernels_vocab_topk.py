@@ -65,23 +65,26 @@ def test_reference_equals_numpy_brute_force(kind):
       np.testing.assert_array_equal(np.asarray(indices)[0, :4], [3, 40, 517, 999])
 
 
-# (impl, kind, k, masked, dtype, leading dims of x): each interpret-mode case costs seconds.
+# (impl, kind, k, masked, dtype, leading dims of x, Triton vocabulary splits): each
+# interpret-mode case costs seconds. V = 1000 is 8 Triton tiles: one split walks all 8,
+# three splits take 3 + 3 + 2, the default (None) gives each of 8 programs one tile.
 KERNEL_CASES = [
-    ("triton", "dot", 64, True, jnp.float32, (ROWS,)),
-    ("triton", "neg_sq_dist", 1, False, jnp.bfloat16, (ROWS,)),
-    ("triton", "neg_sq_dist", 20, False, jnp.float32, (5, 14)),
-    ("mosaic", "neg_sq_dist", 64, True, jnp.bfloat16, (ROWS,)),
-    ("mosaic", "neg_dot", 1, True, jnp.float32, (ROWS,)),
-    ("mosaic", "dot", 20, False, jnp.bfloat16, (7, 10)),
+    ("triton", "dot", 64, True, jnp.float32, (ROWS,), 1),
+    ("triton", "neg_sq_dist", 1, False, jnp.bfloat16, (ROWS,), None),
+    ("triton", "neg_sq_dist", 20, False, jnp.float32, (5, 14), 3),
+    ("mosaic", "neg_sq_dist", 64, True, jnp.bfloat16, (ROWS,), None),
+    ("mosaic", "neg_dot", 1, True, jnp.float32, (ROWS,), None),
+    ("mosaic", "dot", 20, False, jnp.bfloat16, (7, 10), None),
 ]
 
 
-@pytest.mark.parametrize("impl,kind,k,masked,dtype,lead", KERNEL_CASES)
-def test_kernel_equals_reference(impl, kind, k, masked, dtype, lead):
+@pytest.mark.parametrize("impl,kind,k,masked,dtype,lead,splits", KERNEL_CASES)
+def test_kernel_equals_reference(impl, kind, k, masked, dtype, lead, splits):
   x, table, mask = integer_problem(seed=2)
   x, table = jnp.asarray(x, dtype).reshape(lead + (D,)), jnp.asarray(table, dtype)
   mask = jnp.asarray(mask).reshape(lead + (VOCAB,)) if masked else None
-  got_values, got_indices = vocab_topk.topk(x, table, k, kind, mask, impl=impl, interpret=True)
+  got_values, got_indices = vocab_topk.topk(x, table, k, kind, mask, impl=impl, interpret=True,
+                                            vocab_splits=splits)
   want_values, want_indices = vocab_topk.topk(x, table, k, kind, mask, impl="reference")
   assert got_indices.shape == got_values.shape == lead + (k,)
   assert got_indices.dtype == jnp.int32 and got_values.dtype == jnp.float32
@@ -115,6 +118,13 @@ def test_kernel_on_real_valued_inputs_is_a_top_k_up_to_rounding():
     assert all(len(set(row)) == k for row in indices)
     kth_best = np.sort(exact, axis=-1)[:, -k]
     assert np.all(values[:, -1] >= kth_best - tol)
+
+
+def test_vocabulary_splits_fill_the_gpu_with_few_rows():
+  assert vocab_topk.vocab_splits_for(row_blocks=1, tiles=393) == (197, 2)
+  assert vocab_topk.vocab_splits_for(row_blocks=128, tiles=393) == (3, 131)
+  assert vocab_topk.vocab_splits_for(row_blocks=300, tiles=393) == (1, 393)
+  assert vocab_topk.vocab_splits_for(row_blocks=1, tiles=8, splits=3) == (3, 3)
 
 
 def test_keys_follow_lax_top_k_total_order():
