@@ -16,15 +16,16 @@ for the same scores: values in IEEE total order, ties to the lower index. On CPU
 
 The running top-k. Scores are mapped to int32 keys whose signed order is IEEE total
 order (the order `lax.top_k` uses, -0 below +0), so comparisons are exact integer ones.
-Each row keeps k (key, index) slots (k rounded up to a power of two), unsorted, and
-its worst slot (lowest key, then highest index). A tile is merged in rounds: each round takes every row's best remaining
-tile entry (highest key, then lowest index) and, where it beats the row's worst slot,
-overwrites that slot. A row's tile entries come out in decreasing order, so the rounds
-stop at the largest number of entries any row of the block has that beat its worst slot
-at the start of the tile (at most k): the first tiles take k rounds, later ones a few or
-none. Empty slots hold key INT32_MIN and distinct indices >= 2^30; excluded and padding
-columns get the key of -inf and INT32_MIN respectively, so they never displace a real
-score. The k slots are sorted (key descending, index ascending) after the kernel.
+Each row keeps k (key, index) slots (k rounded up to a power of two), unsorted, and its
+worst slot (lowest key, then highest index). A tile is merged in rounds: each round takes
+every row's best remaining tile entry (highest key, then lowest index) and, where it
+beats the row's worst slot, overwrites that slot. A row's tile entries come out in
+decreasing order, so the rounds stop at the largest number of entries any row of the
+block has that beat its worst slot at the start of the tile (at most k): the first tiles
+take k rounds, later ones a few or none. Empty slots hold key INT32_MIN and distinct
+indices >= 2^30; excluded and padding columns get the key of -inf and INT32_MIN
+respectively, so they never displace a real score. The slots are sorted (key
+descending, index ascending) after the kernel.
 
 Parallelism. On GPU the grid is (row blocks, vocabulary splits): with few query rows
 (SipIt verifies a handful of documents at a time) one program per row block would leave
