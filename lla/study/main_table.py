@@ -150,8 +150,8 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
-                  run_prefix=f"corpus_{corpus}/",
-                  memory_budget_bytes=memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)[0])
+                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=memory.chunk_budget_bytes(
+                      int(config.memory_budget_mb) << 20)[0])
 
 
 def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
