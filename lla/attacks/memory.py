@@ -182,8 +182,10 @@ def format_estimate(rows: list[StageEstimate], resident: float, chunk_budget: in
 
 def describe_replay(capture_dir: str, cfg: GPT2Config, attacks, budget: dict,
                     chunk_budget: int, source: str) -> str:
-  """`format_estimate` for replaying `attacks` on a stored capture (reads its shapes and
-  cut, not its messages)."""
+  """`format_estimate` for replaying `attacks` on a stored capture: reads its shapes and
+  cut, not its messages, after the manifest check (a damaged capture raises replay's own
+  one-line CaptureError)."""
+  store.verify(capture_dir)
   with safe_open(os.path.join(capture_dir, store.MESSAGES_FILE), "numpy") as f:
     num_docs, seq_len, _ = f.get_slice("activations").get_shape()
     gradients = "gradients" in f.keys()
