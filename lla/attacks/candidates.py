@@ -4,7 +4,10 @@ All functions are batched over documents and positions. Sorting is stable: `lax.
 returns equal values in index order, so ties go to the lower token id (or lower rank).
 The vocabulary-wide rankings go through `kernels.vocab_topk.topk`: on CPU the same
 materialise-and-`lax.top_k` computation as ever (bit-identical), on GPU and TPU a Pallas
-kernel that never materialises the [positions, V] scores, with the same results.
+kernel that never materialises the [positions, V] scores. The kernel ranks the same scores
+with the same tie-breaks; its tiled matmuls round differently from one large matmul, so
+entries within float32 rounding of each other can swap (0.01% of positions at GPT-2's
+shape in interpret mode: experiments/bench_kernels.py).
 """
 
 from __future__ import annotations
