@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from kernels import vocab_topk_reference as reference
 
 KINDS = reference.KINDS
-IMPLS = ("auto", "reference", "triton", "mosaic")
+IMPLS = ("auto", "platform", "reference", "triton", "mosaic")
 PRECISIONS = ("float32", "tensorfloat32", "bfloat16")
 
 _KEY_MIN = -(2**31)                 # padding and consumed tile entries; empty slots
@@ -375,9 +375,10 @@ def topk(x: jax.Array, table: jax.Array, k: int, kind: str = "dot",
     kind: "dot" (largest <x, E[v]> first), "neg_dot" (smallest first) or "neg_sq_dist"
       (nearest in Euclidean distance first).
     mask: optional [..., V] bool, True where a table row is excluded for that query.
-    impl: "auto" (the kernel on GPU and TPU, the reference elsewhere, chosen when the
-      computation is lowered; a host whose default backend is the CPU always takes the
-      reference), "reference", "triton" or "mosaic".
+    impl: "platform" (the kernel on GPU and TPU, the reference elsewhere, chosen when
+      the computation is lowered: `lax.platform_dependent`), "auto" (the same, except that
+      a host whose default backend is the CPU takes the reference without tracing the
+      kernels, which keeps CPU compilation as it was), "reference", "triton" or "mosaic".
     precision: "float32", "tensorfloat32" or "bfloat16"; None: JAX's default matmul
       precision (module docstring).
     interpret: run the Pallas kernel in interpret mode (any backend; for tests).
@@ -406,7 +407,6 @@ def topk(x: jax.Array, table: jax.Array, k: int, kind: str = "dot",
     return run
 
   if impl == "reference" or (impl == "auto" and jax.default_backend() == "cpu"):
-    # On a CPU-only host nothing else can run: skip tracing the kernels (cold starts).
     return ref(x, table, mask)
   if impl in ("triton", "mosaic"):
     return kernel(impl)(x, table, mask)

@@ -182,6 +182,19 @@ def test_kernels_lower_for_their_hardware(platform, impl, target):
     assert target in module and "chlo.top_k" not in module
 
 
+@pytest.mark.parametrize("platform,target", [("cuda", "__gpu$xla.gpu.triton"),
+                                             ("tpu", "tpu_custom_call"), ("cpu", None)])
+def test_platform_dispatch_picks_the_kernel_of_each_platform(platform, target):
+  args = (jax.ShapeDtypeStruct((8, 32), jnp.float32), jax.ShapeDtypeStruct((300, 32), jnp.float32))
+  fn = jax.jit(lambda x, table: vocab_topk.topk(x, table, 4, impl="platform"))
+  checks = [] if target is None else [export.DisabledSafetyCheck.custom_call(target)]
+  module = export.export(fn, platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+  if target is None:
+    assert "chlo.top_k" in module and "custom_call" not in module
+  else:
+    assert target in module and "chlo.top_k" not in module
+
+
 def test_bad_arguments_are_one_line_errors():
   x, table = jnp.zeros((4, 16)), jnp.zeros((10, 16))
   cases = [
