@@ -86,7 +86,8 @@ def worker(precision: str) -> None:
   params = random_params(cfg, _SEED.value)
   splits = data_load.load_splits(n_eval=_DOCS.value, n_calibration=32, n_train=16)
   tokens = splits.evaluation.tokens
-  h, g = split.boundary_messages(params, cfg, jnp.asarray(tokens), cut)  # the client: float32
+  with jax.default_matmul_precision("highest"):  # the client and its capture: float32
+    h, g = split.boundary_messages(params, cfg, jnp.asarray(tokens), cut)
   if _MODE.value == "runtime":
     runtime.configure_matmul_precision(precision)
     context, attacker_cfg = contextlib.nullcontext(), cfg
