@@ -100,5 +100,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
   config.decoy.num_seeds = 9 if paper else 3
   config.scoring = scoring.get_config()
-  config.memory_budget_mb = 1024 if not paper else 16384  # Per-chunk attack working set.
+  # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
+  # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
+  config.memory_budget_mb = 1024 if not paper else 16384
   return config

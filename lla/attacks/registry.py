@@ -203,7 +203,8 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
 
 
 BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sip",
-                   "lla.attacks.bisr_f", "lla.attacks.eia")
+                   "lla.attacks.bisr_f", "lla.attacks.eia", "lla.attacks.gradmatch",
+                   "lla.attacks.lamp")
 
 
 def load_builtin() -> None:

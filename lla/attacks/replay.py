@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 
 import lla
+from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh
@@ -67,7 +68,7 @@ def provenance() -> dict:
   device = jax.devices()[0]
   return {"lla_version": lla.__version__, "git_commit": commit or "unknown",
           "jax_version": jax.__version__, "device_kind": device.device_kind,
-          "device_count": jax.device_count()}
+          "device_count": jax.device_count(), **runtime.precision_record()}
 
 
 def calibration_sha256(tokens: np.ndarray) -> str:

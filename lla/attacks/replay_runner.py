@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from absl import logging
 import ml_collections
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import registry, replay
+from lla.attacks import memory, registry, replay
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
 from lla.model.loading import load_model
@@ -54,8 +55,11 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
   source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
   attacker = replay.Attacker(model.params, model.cfg, model.model_id,
                              calibration_tokens(config.calibration), config.knowledge, source)
+  chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+  logging.info("%s", memory.describe_replay(config.capture_dir, model.cfg,
+                                            attack_names(config.attacks), budget, chunk_budget,
+                                            where))
   return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
                        budget, int(config.seed), run_prefix=config.run_prefix,
                        reference_prefix=config.reference_prefix or None,
-                       model_seed=int(config.model_seed),
-                       memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                       model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget)

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lla.attacks import candidates as cand_lib
+from lla.attacks import memory
 from lla.attacks import ridge
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -46,8 +47,10 @@ def _flops_of(executable) -> float | None:
     return None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
-  flops = (cost or {}).get("flops")
-  return float(flops) if flops and flops > 0 else None
+  if cost is None:
+    return None
+  # An executable without arithmetic (allocation, gathers) has no "flops" entry: zero.
+  return max(float(cost.get("flops", 0.0)), 0.0)
 
 
 def _signature(x):
@@ -67,7 +70,8 @@ def compiled(jitted, *args, **kwargs):
   chunk shape) compiles once per process. Static arguments are passed by keyword.
   """
   leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-  key = (jitted, tree, tuple(_signature(x) for x in leaves))
+  key = (jitted, tree, tuple(_signature(x) for x in leaves),
+         jax.config.jax_default_matmul_precision)
   if key in _EXECUTABLES:
     return (*_EXECUTABLES[key], 0.0)
   start = time.perf_counter()
@@ -189,6 +193,7 @@ class Workspace:
   defense: dict | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
+  _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
   _scopes: list = dataclasses.field(default_factory=lambda: [Tally()])
   _used: set = dataclasses.field(default_factory=set)
   _attack: str = ""
@@ -254,16 +259,27 @@ class Workspace:
     return self.map_documents(lambda *piece: self.call(jitted, *consts, *piece, **static),
                               arrays, bytes_per_doc)
 
+  def _mark_used(self, name: str) -> None:
+    if name not in self._used:
+      self._used.add(name)
+      for dependency in self._depends.get(name, ()):
+        self._mark_used(dependency)
+
   def stage(self, name: str, compute: Callable[[], Any], analytic: float = 0.0):
-    """A shared stage: computed once (metered on its own), then reused; marks it used."""
-    self._used.add(name)
+    """A shared stage: computed once (metered on its own), then reused. Using it marks it
+    and every stage it used as used, whether it is computed now or was cached."""
     if name in self._cache:
+      self._mark_used(name)
       return self._cache[name]
+    outer_used, self._used = self._used, set()
     self._scopes.append(Tally(analytic_flops=analytic))
     try:
       value = compute()
     finally:
       tally = self._scopes.pop()
+      self._depends[name] = frozenset(self._used)
+      self._used = outer_used
+    self._mark_used(name)
     wall = time.perf_counter() - tally.start - tally.nested_wall_s
     self._scopes[-1].nested_wall_s += time.perf_counter() - tally.start
     self.costs[name] = StageCost(None if tally.missing_xla else tally.xla_flops,
@@ -332,7 +348,8 @@ class Workspace:
   def decoded_embeddings(self) -> np.ndarray:
     """[B, T, d] ridge-decoded embeddings of the observed activations (part of `ridge`)."""
     decoder = self.decoder
-    return self.map_call(ridge.decode, (self.activations,), 4.0 * self.seq_len * self.cfg.n_embd,
+    return self.map_call(ridge.decode, (self.activations,),
+                         memory.decode_bytes_per_doc(self.seq_len, self.cfg.n_embd),
                          consts=(decoder.weights, decoder.mu_h, decoder.mu_e))
 
   def activation_ranked(self, num: int) -> np.ndarray:
@@ -346,7 +363,8 @@ class Workspace:
     analytic = (cand_lib.candidate_flops(positions, vocab, self.cfg.n_embd)
                 + 2.0 * positions * self.cfg.n_embd**2)
     compute = lambda: self.map_call(
-        cand_lib.decoded_nearest_tokens, (self.activations,), 8.0 * self.seq_len * vocab,
+        cand_lib.decoded_nearest_tokens, (self.activations,),
+        memory.ranking_bytes_per_doc(self.seq_len, vocab, self.cfg.n_embd, num),
         consts=(decoder.weights, decoder.mu_h, decoder.mu_e, wte), num=num)
     return self._ranked_stage("activation_candidates", num, compute, analytic)
 
@@ -354,8 +372,10 @@ class Workspace:
     """[B, T, num] tokens ranked by <-g[t-1], wte[v]> (stage `stage`)."""
     wte, vocab = self.wte, self.cfg.vocab_size
     analytic = cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab, self.cfg.n_embd)
-    compute = lambda: self.map_call(cand_lib.gradient_ranked_tokens, (gradients,),
-                                    8.0 * self.seq_len * vocab, consts=(wte,), num=num)
+    compute = lambda: self.map_call(
+        cand_lib.gradient_ranked_tokens, (gradients,),
+        memory.ranking_bytes_per_doc(self.seq_len, vocab, self.cfg.n_embd, num), consts=(wte,),
+        num=num)
     return self._ranked_stage(stage, num, compute, analytic)
 
   def _ranked_stage(self, stage: str, num: int, compute, analytic: float) -> np.ndarray:

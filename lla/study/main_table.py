@@ -27,7 +27,7 @@ from absl import logging
 from tqdm import tqdm
 
 from lla import data
-from lla.attacks import registry, replay
+from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
 from lla.evidence import files, manifest, rundir
@@ -122,12 +122,17 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
 def attack_targets(config, study: pathlib.Path, targets: list[Target], captures: dict,
                    calibration: np.ndarray) -> None:
   jobs = [(t, s) for t in targets for s in config.attack_seeds]
+  chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+  if targets:
+    logging.info("attacks on %s:\n%s", targets[0].name, memory.describe_replay(
+        str(captures[targets[0].name]), targets[0].cfg, config.attacks, config.budget.to_dict(),
+        chunk_budget, where))
   for target, seed in tqdm(jobs, desc="attacks", unit="replay"):
     primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
     attacks = list(config.attacks if primary else config.secondary_attacks)
     replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks, config.budget,
                   int(seed), run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
-                  memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                  memory_budget_bytes=chunk_budget)
 
 
 def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
@@ -145,7 +150,8 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
-                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=memory.chunk_budget_bytes(
+                      int(config.memory_budget_mb) << 20)[0])
 
 
 def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
