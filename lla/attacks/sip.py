@@ -287,10 +287,7 @@ def inverter(ws: Workspace, budget, key: jax.Array, variant: str = "gru") -> Inv
   n, t = ws.calibration_tokens.shape
   # The calibration activations are the workspace's own stage, charged beside this one.
   analytic = training_flops(settings, n, t, ws.cfg.n_embd, ws.cfg.vocab_size)
-  # Read before the stage so that every user is charged it, also when the inverter is
-  # cached (a cached stage does not re-mark the stages it used).
-  h_cal = ws.calibration_activations()
-  trained = ws.stage(name, lambda: _train(ws, settings, stage_key, h_cal), analytic=analytic)
+  trained = ws.stage(name, lambda: _train(ws, settings, stage_key), analytic=analytic)
   if trained.settings != settings:
     raise ValueError(f"workspace already holds {name} trained under {trained.settings}, not "
                      f"{settings}; use one SIP budget per workspace")
@@ -319,8 +316,8 @@ def training_flops(settings: Settings, num_docs: int, seq_len: int, dim: int,
   return settings.epochs * seq_len * per_token * (passes * batches * settings.batch + held)
 
 
-def _train(ws: Workspace, settings: Settings, key: jax.Array, h_all: np.ndarray) -> Inverter:
-  x_all = ws.calibration_tokens
+def _train(ws: Workspace, settings: Settings, key: jax.Array) -> Inverter:
+  h_all, x_all = ws.calibration_activations(), ws.calibration_tokens
   n, seq_len, dim = h_all.shape
   n_train, n_held = split_sizes(settings, n)
   init_key, dropout_key = jax.random.split(key)
