@@ -181,7 +181,8 @@ def test_crashed_module_is_recorded_and_retried(setup, tmp_path, monkeypatch):
   assert [r.status for r in records] == ["ok", "ok"]
   assert tree_state(run_dir)["predictions/ridge.npy"] == ridge_state
   retries = [e for e in log_events(run_dir) if e["type"] == "retry"]
-  assert retries == [{"type": "retry", "attack": "boom_test", "previous_status": "crashed"}]
+  assert retries == [{"type": "retry", "attack": "boom_test", "file": "records/boom_test.json",
+                      "previous_status": "crashed"}]
   monkeypatch.delitem(registry._REGISTRY, "boom_test")
   assert "boom_test" not in registry.names()
 

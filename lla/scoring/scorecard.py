@@ -260,11 +260,10 @@ def to_bytes(card: dict) -> bytes:
 
 
 def write(run_dir: str, card: dict, overwrite: bool = False) -> None:
-  """Writes scorecard.json and scorecard.md atomically."""
-  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_JSON),
-                           to_bytes(card), overwrite)
-  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_MD),
-                           markdown(card).encode("utf-8"), overwrite)
+  """Writes scorecard.json and scorecard.md atomically, each logged with its sha256."""
+  rundir.save_file(run_dir, rundir.SCORECARD_JSON, to_bytes(card), "scorecard", overwrite)
+  rundir.save_file(run_dir, rundir.SCORECARD_MD, markdown(card).encode("utf-8"), "scorecard",
+                   overwrite)
 
 
 def diff(a, b, path: str = "") -> list[str]:
