@@ -22,14 +22,13 @@ import contextlib
 import dataclasses
 import io
 import os
-import subprocess
 import traceback
 
 import jax
 import numpy as np
 from absl import logging
 
-import lla
+from lla import provenance as provenance_lib
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh
@@ -38,7 +37,7 @@ from lla.defenses import aware
 from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
 from lla.protocol import tuple as protocol
-from lla.scoring.policy import load_policy
+from lla.scoring.policy import load_named_policy
 
 INPUTS = rundir.INPUTS
 
@@ -60,15 +59,8 @@ class Attacker:
 
 
 def provenance() -> dict:
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(lla.__file__), timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    commit = ""
-  device = jax.devices()[0]
-  return {"lla_version": lla.__version__, "git_commit": commit or "unknown",
-          "jax_version": jax.__version__, "device_kind": device.device_kind,
-          "device_count": jax.device_count()}
+  """What every record stores of the software and devices (lla.provenance)."""
+  return provenance_lib.current()
 
 
 def calibration_sha256(tokens: np.ndarray) -> str:
@@ -95,6 +87,10 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget_values: d
                     calibration_defense: dict | None = None) -> dict:
   """E of the replay: the capture's target, observations and corpus, the attacker's K and B."""
   captured = protocol.ProtocolTuple.from_dict(capture.metadata["protocol"])
+  try:
+    policy = load_named_policy(captured.G.policy)
+  except (ValueError, FileNotFoundError) as e:
+    raise ReplayInputError(f"capture {capture.directory}: metadata.json G.policy: {e}") from None
   e = captured.replace(
       O=dataclasses.replace(captured.O, capture_sha256=capture.manifest_sha256),
       K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id,
@@ -103,7 +99,7 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget_values: d
       B=protocol.Budgets(calibration_size=int(attacker.calibration_tokens.shape[0]),
                          fields=protocol.frozen(budget_values)),
       G=dataclasses.replace(captured.G, seeds=(int(seed),),
-                            policy_sha256=load_policy(captured.G.policy).sha256))
+                            policy_sha256=policy.sha256))
   return e.to_dict()
 
 
@@ -127,18 +123,6 @@ def _check_protocol(run_dir: str, e: dict) -> None:
       raise ReplayInputError(
           f"{run_dir} was made under another protocol tuple (differs in "
           f"{', '.join(differences(stored, e))}); use a new --workdir")
-
-
-@contextlib.contextmanager
-def _writing(run_dir: str, seal: bool):
-  """Reopens a sealed run before the first write and finalizes it after (if `seal`)."""
-  if seal and os.path.exists(os.path.join(run_dir, rundir.LOG)):
-    rundir.reopen(run_dir)
-  try:
-    yield
-  finally:
-    if seal and os.path.exists(os.path.join(run_dir, rundir.LOG)):
-      rundir.finalize(run_dir)
 
 
 def _register_protocol(run_dir: str, e: dict) -> str:
@@ -309,7 +293,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
                  capture.manifest_sha256)
   _check_protocol(run_dir, e)
   pin_inputs(run_dir, rundir.e_hash(e), attacker, calibration_defense, check_only=True)
-  with _writing(run_dir, seal):
+  with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
     e_hash = _register_protocol(run_dir, e)
     pin_inputs(run_dir, e_hash, attacker, calibration_defense)
     ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,

@@ -12,6 +12,7 @@ Entry point: `run(config, workdir) -> summary dict` (also written as results.jso
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import jax
@@ -32,7 +33,10 @@ DECLARED_UNMEASURED = (
 
 
 def load_policy(name: str) -> tuple[dict, str]:
-  """(policy dict, sha256 of the file's bytes) of policies/<name>.json."""
+  """(policy dict, sha256 of the file's bytes) of policies/<name>.json (a name, never a
+  path)."""
+  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
+    raise ValueError(f"decoy policy name {name!r}: expected a file name under {POLICY_DIR}")
   path = os.path.join(POLICY_DIR, name + ".json")
   with open(path, "rb") as f:
     raw = f.read()

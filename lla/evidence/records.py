@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import posixpath
+import re
 import types
 import typing
 from typing import Any
@@ -26,6 +27,7 @@ STATUSES = ("ok", "crashed", "skipped")
 SCORED_POSITIONS = ("all", "t>=1")
 KNOWLEDGE = ("public", "trained", "none")
 UNDEFENDED = "none"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,10 @@ class AttackRecord:
     if self.status != "ok" and not self.error:
       raise ValueError(f"{where}: status {self.status!r} needs an error "
                        "message saying why")
+    for name in ("e_hash", "capture_sha256", "prediction_sha256"):
+      value = getattr(self, name)
+      if not (value is None and name == "prediction_sha256") and not _HEX64.fullmatch(value):
+        raise ValueError(f"{where}: {name} {value!r} is not a sha256 (64 hex digits)")
     if self.prediction_file is not None:
       inside("prediction_file", self.prediction_file)
     locator("capture_dir", self.capture_dir)

@@ -23,6 +23,7 @@ consistent rewrite (a prediction, its record's hash and the manifest) is caught.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -220,6 +221,29 @@ def reopen(run_dir: str, time: str | None = None) -> bool:
   return True
 
 
+@contextlib.contextmanager
+def extending(run_dir: str, always_finalize: bool = False):
+  """Writes into a run: reopens it if sealed, and finalizes it on the way out if it was
+  sealed (or always, with `always_finalize`), even when the body raised."""
+  was_sealed = os.path.exists(os.path.join(run_dir, LOG)) and reopen(run_dir)
+  try:
+    yield
+  finally:
+    if (always_finalize or was_sealed) and os.path.exists(os.path.join(run_dir, LOG)):
+      finalize(run_dir)
+
+
+def written_since(run_dir: str, rel: str) -> list[str]:
+  """Files of the logged directories written or removed after the log's last entry for
+  `rel` (all of them if `rel` was never logged): what a derived file does not reflect."""
+  path = os.path.join(run_dir, LOG)
+  entries = hashlog.entries_of(path) if os.path.exists(path) else []
+  last = max((e["_line"] for e in entries if e["event"].get("file") == rel), default=0)
+  return sorted({e["event"]["file"] for e in entries if e["_line"] > last and
+                 isinstance(e["event"].get("file"), str) and
+                 e["event"]["file"].split("/")[0] in (PREDICTIONS, RECORDS)})
+
+
 def _complete_reopen(run_dir: str, event: dict | None = None) -> None:
   """Moves the manifest a reopen entry names to seals/ (if a crash left it in place)."""
   if event is None:
@@ -335,6 +359,13 @@ def verify(run_dir: str, check_capture: bool = True) -> list[str]:
           resolve(run_dir, r.capture_dir), r.capture_sha256)
       problems += captures[r.capture_dir]
   return problems
+
+
+def check_against_log(run_dir: str) -> list[str]:
+  """Files of the run that differ from (or are missing in) the hash-chained log: what
+  scoring refuses to read. Empty for a run without a log."""
+  path = os.path.join(run_dir, LOG)
+  return _against_log(run_dir, hashlog.entries_of(path)) if os.path.exists(path) else []
 
 
 def _logged_paths(run_dir: str) -> list[str]:
