@@ -38,6 +38,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.n_eval = 256 if paper else (8 if tiny else 128)
   config.data.n_calibration = 32 if not tiny else 16
   config.data.n_train = 128 if not tiny else 16
+  # Pre-training excludes this job's draw (its training and evaluation passages), not the
+  # pre-training config's own: the same ConfigDict, so an override of one is the other.
+  config.pretrain.data = config.data
   # Fine-tuning of the targets (configs/finetune.py); k and train_client_layers are set per
   # experiment, num_models seeds each.
   config.finetune = finetune.get_config("tiny" if tiny else model_name)

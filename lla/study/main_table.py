@@ -68,12 +68,13 @@ def _phase(name: str) -> None:
   tqdm.write(f"[main_table] phase: {name}")
 
 
-def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path):
-  """((params, cfg, provenance), source) of the base: pre-trained here, or loaded (paper)."""
+def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits):
+  """((params, cfg, provenance), source) of the base: pre-trained here (never on this job's
+  training or evaluation passages, `splits`), or loaded (paper)."""
   from lla.train import models
   model = config.model
   if not (model.hf_dir or model.hub or model.checkpoint):
-    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain")
+    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain", exclude=splits)
     model = ml_collections.ConfigDict(model.to_dict())
     model.checkpoint = str(checkpoint.path)
   source = {k: model[k] for k in ("hf_dir", "checkpoint", "hub") if model[k]}
@@ -168,8 +169,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
 
   _log_invocation(workdir, "started_unix", start)
   _phase("pretrain / base model")
-  base, base_source = base_model(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
+  base, base_source = base_model(config, workdir, splits)
   _phase("fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   config_json = json.loads(config.to_json())
