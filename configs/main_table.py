@@ -46,6 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.finetune = finetune.get_config("tiny" if tiny else model_name)
   config.finetune.num_models = 10 if paper else 3
   config.finetune.num_epochs = 1 if tiny else 4
+  # tiny: 16 passages in batches of 4, so that the seeds' batch orders differ and the three
+  # fine-tuned models are distinct (one full batch would give three identical models).
+  config.finetune.batch_size = 4 if tiny else 16
   # (cut, knowledge) pairs; "trained" fine-tunes the client layers and the attacker holds
   # the pre-trained ones.
   config.settings = ((3, "public"), (6, "public"), (3, "trained"), (6, "trained")) \
