@@ -30,10 +30,11 @@ from lla import data
 from lla.attacks import registry, replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
-from lla.evidence import files, manifest, rundir
+from lla.evidence import files, rundir
 from lla.scoring import scorecard
 from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
+from lla.study import qualification as study_qualification
 from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
 from lla.model.checkpoint import params_sha256
@@ -160,7 +161,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   workdir = pathlib.Path(workdir)
   study = workdir / STUDY
   start = time.time()
-  if (study / manifest.MANIFEST_NAME).exists():
+  if (study / rundir.LOG).exists() and rundir.log(str(study)).sealed:
+    # Finished; a crash between the seal and the manifest left the manifest to write.
+    rundir.finalize(str(study))
     problems = rundir.verify(str(study))
     if problems:
       raise ValueError(f"{study}: finished study fails verification: " + "; ".join(problems))
@@ -191,11 +194,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase("defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits, base)
   _phase("decoy-row training split")
-  decoy_run.run(config.decoy, str(workdir / DECOY))
+  # Its attacks' results are records of the study, so that coverage counts them.
+  decoy_run.run(config.decoy, str(workdir / DECOY), study=str(study))
   _phase("scoring")
   # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
-  scorecard.score_run(str(study), config.scoring, modules=registry.module_entries(),
-                      overwrite=True)
+  modules = registry.module_entries()
+  evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
+  scorecard.score_run(str(study), config.scoring, modules=modules,
+                      qualification_evidence=evidence, overwrite=True)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
   _log_invocation(workdir, "finished_unix", time.time())
