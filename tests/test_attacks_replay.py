@@ -427,3 +427,35 @@ def test_replay_refuses_bad_inputs_in_process(setup, reference_run, tmp_path):
   with pytest.raises(KeyError, match="no attack named 'nope'"):
     run(root, attacker, str(workdir), attacks=["nope"])
   assert tree_state(workdir) == before
+
+
+def test_regenerate_names_provenance_differences(setup, tmp_path):
+  """A record made under another stack: the verdict stands, and every difference is named."""
+  root, attacker, _ = setup
+  from lla.model.checkpoint import params_sha256  # pylint: disable=g-import-not-at-top
+  attacker = dataclasses.replace(attacker, model_id=params_sha256(attacker.params))
+  run_dir = root / "run_provenance"
+  run(root, attacker, "run_provenance", attacks=["ridge"])
+  path = run_dir / "records" / "ridge.json"
+  record = files.read_json(str(path))
+  record["provenance"].update(jax_version="0.4.30", xla_flags="--xla_cpu_enable_fast_math=true")
+  record["provenance"]["jax_config"]["jax_default_matmul_precision"] = "bfloat16"
+  del record["provenance"]["jaxlib_version"]
+  path.unlink()
+  files.atomic_write_json(str(path), record)
+  proc = _binary("regenerate", f"--workdir={run_dir}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  assert [l for l in lines if l.startswith("PROVENANCE ")] == [
+      "PROVENANCE jax_config.jax_default_matmul_precision: recorded 'bfloat16', now None "
+      "(first in record 'ridge')",
+      f"PROVENANCE jax_version: recorded '0.4.30', now '{jax.__version__}' (first in record "
+      "'ridge')",
+      f"PROVENANCE jaxlib_version: not recorded, now '{jaxlib.__version__}' (first in record "
+      "'ridge')",
+      "PROVENANCE xla_flags: recorded '--xla_cpu_enable_fast_math=true', now '' (first in "
+      "record 'ridge')"]
+  assert lines[-1] == (f"OK {run_dir}: every prediction regenerated bit for bit; 4 provenance "
+                       "difference(s) listed above")

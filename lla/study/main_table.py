@@ -142,6 +142,17 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                   run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
 
 
+def score(config, study: pathlib.Path) -> dict:
+  """The study's scorecard, with every registered module's coverage and qualification.
+
+  Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
+  """
+  modules = registry.module_entries()
+  evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
+  return scorecard.score_run(str(study), config.scoring, modules=modules,
+                             qualification_evidence=evidence, overwrite=True)
+
+
 def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
   """timing.json: when each invocation started and (if it got there) finished, so that a
   killed and resumed run reports its whole elapsed time."""
@@ -197,11 +208,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   # Its attacks' results are records of the study, so that coverage counts them.
   decoy_run.run(config.decoy, str(workdir / DECOY), study=str(study))
   _phase("scoring")
-  # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
-  modules = registry.module_entries()
-  evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
-  scorecard.score_run(str(study), config.scoring, modules=modules,
-                      qualification_evidence=evidence, overwrite=True)
+  score(config, study)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
   _log_invocation(workdir, "finished_unix", time.time())
