@@ -83,7 +83,7 @@ def test_records_reproduce_the_decoy_numbers(decoy):
 def test_resume_rewrites_nothing_and_missing_records_are_replayed(decoy):
   root, study, config, result = decoy
   rundir.reopen(study)
-  name = "decoy__mitigated__m0__decoy_content_joined_mlp"
+  name = "decoy__mitigated__m0__decoy_content_joined_linear"
   rundir.remove_file(study, f"records/{name}.json", "retry", previous_status="ok")
   rundir.remove_file(study, f"predictions/{name}.npy", "discard_orphan")
   policy, policy_sha = decoy_run.load_policy(config.policy)
