@@ -35,7 +35,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.checkpoint = ""  # Filled by the pre-training phase (workdir/pretrain).
   # The protocol's corpus splits: T = 32, calibration / training / evaluation documents.
   config.data = data.get_config()
-  config.data.n_eval = 256 if paper else (8 if tiny else 128)
+  # tiny: 48, so that the defended captures (a prefix of these) pool 3 x 48 x 32 tokens and
+  # the gate's floor falls below 1 pp: its decisions can be PASS or FAIL, not only
+  # INSUFFICIENT_EVIDENCE (tests/test_e2e_main_table.py asserts them).
+  config.data.n_eval = 256 if paper else (48 if tiny else 128)
   config.data.n_calibration = 32 if not tiny else 16
   config.data.n_train = 128 if not tiny else 16
   # Pre-training excludes this job's draw (its training and evaluation passages), not the
@@ -79,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
   # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
   config.defense_cut = 2 if tiny else 6
-  config.defense_docs = 8 if tiny else (256 if paper else 48)  # Documents per defended capture.
+  config.defense_docs = 48 if not paper else 256  # Documents per defended capture.
   config.defense_attacks = ("activation", "joint")
   # Defense-aware variants (ridge refitted on calibration passed through the mechanism).
   config.defense_aware_attacks = ("activation_defense_aware", "joint_defense_aware") \
