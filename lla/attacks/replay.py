@@ -212,9 +212,12 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
   if os.path.exists(path):
     record = AttackRecord.load(path)
     logged = rundir.logged_files(run_dir).get(rel_record)
-    if logged is None or logged[0] != files.sha256_file(path):
+    if logged is None:
       # Written but never logged: the run was interrupted between the two.
       rundir.remove_file(run_dir, rel_record, "discard_unlogged")
+    elif logged[0] != files.sha256_file(path):
+      raise ValueError(f"{path}: differs from the sha256 the run's log recorded (line "
+                       f"{logged[1]}); refusing to resume over it: run verify")
     elif record.status == "ok":
       stored = rundir.resolve(run_dir, record.prediction_file)
       if not os.path.exists(stored) or files.sha256_file(stored) != record.prediction_sha256:
