@@ -1,9 +1,10 @@
 """Decoy-row results as study records: the scorer recomputes the decoy experiment's numbers.
 
-One seed of a tiny decoy-row split (synthetic tokens, 64 frames, short probes, no
-calibration) is run with a study directory; its records must verify, be placed by
-coverage in the decoy cells, and re-score to the experiment's own row agreement, probe
-accuracies and baseline, from predictions and the capture's scored views alone.
+One capture of a tiny decoy-row split (synthetic tokens, 64 frames, no mitigation, short
+linear probes) is analysed with its predictions kept and written into a study; the records
+must verify, be placed by coverage in the decoy cells, and re-score to the experiment's own
+row agreement, probe accuracies and baseline, from predictions and the capture's scored
+views alone. (The main job's use of it, both arms and three seeds, is tests/test_e2e_*.)
 """
 
 import os
@@ -16,6 +17,7 @@ from configs import decoy_leak
 from configs import scoring as scoring_config
 from lla.attacks import registry
 from lla.decoy import capture, modules
+from lla.decoy import records as decoy_records
 from lla.decoy import run as decoy_run
 from lla.evidence import manifest, rundir
 from lla.scoring import policy as policy_lib
@@ -31,7 +33,6 @@ def _config():
   config.eval.blocks = 8
   config.probe.steps = 20
   config.probe.classifiers = ("linear",)  # 3 arms: one compiled probe per feature width
-  config.calibration.seeds = 0
   return config
 
 
@@ -43,60 +44,62 @@ def decoy(tmp_path_factory):
   rundir.create_study(study, {"G": {"policy": pol.policy_id, "policy_sha256": pol.sha256}})
   config = _config()
   policy, policy_sha = decoy_run.load_policy(config.policy)
-  result = decoy_run.run_seed(config, 0, decoy_run.load_data(config), policy, policy_sha,
-                              str(root / "decoy"), study)
-  return root, study, config, result
+  directory = str(root / "decoy" / "capture_none")
+  decoy_run.train_and_capture(config, 0, "none", decoy_run.load_data(config), policy_sha,
+                              directory)
+  predictions = {}
+  result = decoy_run.analyse(directory, config, policy, 0, calibrate_it=False,
+                             predictions=predictions)
+  written = decoy_records.write(study, directory, config, 0, "none", predictions["structural"],
+                                predictions["content"], predictions["content_baseline"], 1.0)
+  return root, study, config, result, written, predictions
 
 
 def test_records_reproduce_the_decoy_numbers(decoy):
-  root, study, config, result = decoy
+  _, study, config, result, written, _ = decoy
+  assert sorted(r.attack for r in written) == sorted(decoy_records.names(config))
   space = scorecard.threat_space_from_config(scoring_config.get_config().threat_space)
   card = scorecard.build(study, threat_space=space, modules=registry.module_entries())
   rows = {r["run_id"]: r["metrics"] for r in card["rows"]}
-  assert len(rows) == 2 * 4
-  for arm in ("none", "mitigated"):
-    s = rows[f"decoy/{arm}/m0/decoy_structural"]
-    assert s["token_recovery"] == result[arm]["structural"]["row_agreement"]
-    assert (s["docs_exact"], s["docs"]) == (result[arm]["structural"]["frames_exact"], 64)
-    assert s["baseline_p0"] == pytest.approx(48 / 80)
-    content = result[arm]["content"]
-    for key, arm_result in content["arms"].items():
-      features, classifier = key.split("/")
-      m = rows[f"decoy/{arm}/m0/{modules.content_name(features, classifier)}"]
-      assert m["token_recovery"] == pytest.approx(arm_result["accuracy"], abs=1e-15)
-      assert m["baseline_p0"] == pytest.approx(content["baseline"]["accuracy"], abs=1e-15)
-      assert m["n"] == content["n_rows"] == 32 * 32
-  # Without mitigation the structural attack is exact; with it, no better than the base rate.
-  assert rows["decoy/none/m0/decoy_structural"]["token_recovery"] == 1.0
-  assert rows["decoy/mitigated/m0/decoy_structural"]["token_recovery"] == pytest.approx(32 / 80)
-  cells = {(c["family"], c["observation"]): c for c in card["coverage"]["cells"]
-           if c["knowledge"] == "trained" and c["defense"] == "decoy_rows"}
-  for family, observation in (("decoy_structural", "gradients"),
-                              ("decoy_content", "gradients"), ("decoy_content", "activations"),
-                              ("decoy_content", "activations+gradients")):
-    assert cells[(family, observation)]["status"] == "partial"  # 1 seed of 3
+  assert len(rows) == 4
+  s = rows["decoy/none/m0/decoy_structural"]
+  assert s["token_recovery"] == result["structural"]["row_agreement"] == 1.0
+  assert (s["docs_exact"], s["docs"]) == (result["structural"]["frames_exact"], 64)
+  assert s["baseline_p0"] == pytest.approx(48 / 80)
+  content = result["content"]
+  for key, arm_result in content["arms"].items():
+    m = rows[f"decoy/none/m0/{modules.content_name(*key.split('/'))}"]
+    assert m["token_recovery"] == pytest.approx(arm_result["accuracy"], abs=1e-15)
+    assert m["baseline_p0"] == pytest.approx(content["baseline"]["accuracy"], abs=1e-15)
+    assert m["n"] == content["n_rows"] == 32 * 32
+  cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
+           if c["knowledge"] == "trained" and c["defense"] == "decoy_rows"
+           and c["family"].startswith("decoy_")}
+  assert cells == {("decoy_structural", "gradients"): "partial",  # 1 seed of 3
+                   ("decoy_structural", "activations"): "unmeasured",
+                   ("decoy_structural", "activations+gradients"): "unmeasured",
+                   ("decoy_content", "gradients"): "partial",
+                   ("decoy_content", "activations"): "partial",
+                   ("decoy_content", "activations+gradients"): "partial"}
   assert card["coverage"]["unplaced"] == []
   rundir.finalize(study)
   assert rundir.verify(study) == []
 
 
-def test_resume_rewrites_nothing_and_missing_records_are_replayed(decoy):
-  root, study, config, result = decoy
+def test_writing_again_reuses_the_records(decoy):
+  _, study, config, _, written, predictions = decoy
   rundir.reopen(study)
-  name = "decoy__mitigated__m0__decoy_content_joined_linear"
-  rundir.remove_file(study, f"records/{name}.json", "retry", previous_status="ok")
-  rundir.remove_file(study, f"predictions/{name}.npy", "discard_orphan")
-  policy, policy_sha = decoy_run.load_policy(config.policy)
-  again = decoy_run.run_seed(config, 0, decoy_run.load_data(config), policy, policy_sha,
-                             str(root / "decoy"), study)
-  assert again == result
+  before = rundir.logged_files(study)
+  again = decoy_records.write(study, str(decoy[0] / "decoy" / "capture_none"), config, 0,
+                              "none", predictions["structural"], predictions["content"],
+                              predictions["content_baseline"], 1.0)
+  assert again == written and rundir.logged_files(study) == before
   rundir.finalize(study)
-  assert rundir.verify(study) == []
 
 
 def test_capture_write_refuses_to_overwrite_and_read_checks_values(decoy, tmp_path):
-  root, _, _, _ = decoy
-  directory = str(root / "decoy" / "seed_0" / "capture_none")
+  root = decoy[0]
+  directory = str(root / "decoy" / "capture_none")
   messages, truth, metadata, _ = capture.read(directory)
   with pytest.raises(FileExistsError, match="refusing to overwrite"):
     capture.write(directory, messages["forward"], messages["gradient"], truth, metadata)
@@ -110,9 +113,8 @@ def test_capture_write_refuses_to_overwrite_and_read_checks_values(decoy, tmp_pa
   manifest.write_manifest(str(copy))
   with pytest.raises(ValueError, match=r"forward contains NaN or Inf \(1 values\)"):
     capture.read(str(copy))
-  truth_f = load_file(str(copy / capture.TRUTH))
-  truth_f["input_tokens"] = truth_f["input_tokens"].astype(np.int64)
-  os.remove(copy / capture.TRUTH)
-  save_file(truth_f, str(copy / capture.TRUTH))
-  with pytest.raises(ValueError, match="capture fails its manifest"):
-    capture.read(str(copy))
+  wrong = dict(truth, input_tokens=truth["input_tokens"].astype(np.int64))
+  with pytest.raises(ValueError, match=r"input_tokens must be int32 \[64, 80\]"):
+    capture.write(str(tmp_path / "cap2"), messages["forward"], messages["gradient"], wrong,
+                  metadata)
+  assert not (tmp_path / "cap2").exists()
