@@ -459,3 +459,29 @@ def test_regenerate_names_provenance_differences(setup, tmp_path):
       "record 'ridge')"]
   assert lines[-1] == (f"OK {run_dir}: every prediction regenerated bit for bit; 4 provenance "
                        "difference(s) listed above")
+
+
+def test_replay_into_a_run_of_other_inputs_is_refused_naming_them(setup, reference_run,
+                                                                  tmp_path):
+  """Other calibration tokens of the same shape, other attacker weights, another capture:
+  each differs in the E component that covers it, and nothing is written."""
+  root, attacker, _ = setup
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run[0], workdir)
+  before = tree_state(workdir)
+  other_cal = dataclasses.replace(attacker,
+                                  calibration_tokens=attacker.calibration_tokens[::-1].copy())
+  other_weights = dataclasses.replace(attacker, model_id="f" * 64)
+
+  def other_session(d):
+    metadata = files.read_json(str(d / store.METADATA_FILE))
+    files.atomic_write_json(str(d / store.METADATA_FILE), dict(metadata, session_id="other"),
+                            overwrite=True)
+  other_capture = _corrupt(root, tmp_path, "cap_other_session", other_session)
+  cases = [(other_cal, root / "cap", r"another protocol tuple \(differs in K.calibration_sha256\)"),
+           (other_weights, root / "cap", r"another protocol tuple \(differs in K.weights_sha256\)"),
+           (attacker, other_capture, r"ridge.json was made from another capture \(../cap\)")]
+  for who, capture_dir, message in cases:
+    with pytest.raises(replay.ReplayInputError, match=message):
+      replay.replay(str(workdir), str(capture_dir), who, ATTACKS, budget(), seed=0, mesh=None)
+  assert tree_state(workdir) == before

@@ -318,7 +318,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     for spec in specs:
       done = _finished(run_dir, file_name(run_prefix + spec.name))
       if done is not None:
-        logging.info("replay: %s already finished (%s), reused", spec.name, done.prediction_sha256[:12])
+        logging.info("replay: %s already finished (%s), reused", spec.name,
+                     done.prediction_sha256[:12])
         records.append(done)
         continue
       reference = None if reference_prefix is None else (
