@@ -108,7 +108,9 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
     store.reuse_or_write(directory, lambda d, t=target: capture.capture_target(
         d, t.params, t.cfg, splits.evaluation.tokens, splits.evaluation.document_ids, t.cut,
         model_id=t.model_id, corpus=splits.corpus, split_hashes=hashes, training=True,
-        batch_size=int(config.capture_batch_size)))
+        batch_size=int(config.capture_batch_size)),
+        expected={"T.model_id": target.model_id, "T.cut": target.cut,
+                  "C.split_hashes": hashes})
     out[target.name] = directory
   return out
 
@@ -132,10 +134,13 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     splits = data.load_splits(**{**config.data.to_dict(), "corpus": corpus,
                                  "n_eval": int(config.corpus_study.n_eval)})
     directory = workdir / CAPTURES / f"corpus_{corpus}_k{cut}"
+    hashes = {n: p.sha256 for n, p in splits.items()}
     store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
         d, params, cfg, s.evaluation.tokens, s.evaluation.document_ids, cut,
-        model_id=provenance["params_sha256"], corpus=s.corpus,
-        split_hashes={n: p.sha256 for n, p in s.items()}, training=False))
+        model_id=provenance["params_sha256"], corpus=s.corpus, split_hashes=hashes,
+        training=False),
+        expected={"T.model_id": provenance["params_sha256"], "T.cut": cut,
+                  "C.split_hashes": hashes})
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
