@@ -6,12 +6,15 @@ Layout of `workdir`:
     finetune/k{k}_{knowledge}/     fine-tuned targets, one per model seed (cached)
     captures/<name>/               boundary messages of each target (cached, hash-verified)
     study/                         the run directory of every attack record (lla.evidence)
-    decoy/                         the decoy-row training split (lla.decoy), its own table
+    decoy/                         the decoy-row training split (lla.decoy): its captures and
+                                   own table; its attacks' results are records of study/
     report/                        report.md and its figures
 
 Every phase reuses finished artifacts: checkpoints and captures are verified by hash, and
-replay skips attacks whose predictions and records are already in the study. A finished
-(sealed) study is verified and only its report is rendered again.
+replay skips attacks whose predictions and records are already in the study. The scorecard
+carries coverage over every registered module and the qualification matrix
+(lla.study.qualification). A finished (sealed) study is verified and only its report is
+rendered again.
 """
 
 from __future__ import annotations
