@@ -51,17 +51,65 @@ def test_study_verifies_and_rescores(finished):
 
 
 def test_predictions_regenerate_bit_for_bit(finished):
-  _, workdir, _ = finished
-  assert regenerate.regenerate(str(workdir / main_table.STUDY)) == []
+  config, workdir, _ = finished
+  result = regenerate.check(str(workdir / main_table.STUDY))
+  assert result.problems == [] and result.provenance == []
+  # The decoy-row records are produced by their own driver, not replay: listed, not redone.
+  n_decoy = config.decoy.num_seeds * 2 * (1 + 3 * len(config.decoy.probe.classifiers))
+  assert len(result.skipped) == n_decoy
+  assert all(s.startswith("decoy/") and "runs in its own driver" in s for s in result.skipped)
 
 
-def test_gates_decide_every_defense_with_three_seeds(finished):
+# Decisions of the tiny main job: 3 fine-tuned models x 48 documents per defended capture,
+# so that the floor (about 0.7 pp) allows PASS and FAIL. The decoy-row configurations have
+# no undefended run of their family (the decoy experiment's positive control is its own
+# leak injection), so the scorecard policy cannot decide them.
+# Measured (envelope pp, floor 0.81 pp): projection -3.9; gaussian 1.5, topk 2.6, quantize
+# 44, mixup 30, gradient_clip_noise 94, nopeek 96; decoy rows 40 (no mitigation), 0.3.
+TINY_DECISIONS = {
+    "projection_enabledTrue": "PASS",
+    "gaussian_sigma0.3": "FAIL", "topk_sparsity0.75": "FAIL", "quantize_bits2": "FAIL",
+    "mixup_m2": "FAIL", "gradient_clip_noise_clip_norm0.01": "FAIL", "nopeek_alpha1.0": "FAIL",
+    "decoy_rows/none": "INSUFFICIENT_EVIDENCE", "decoy_rows/mitigated": "INSUFFICIENT_EVIDENCE",
+}
+
+
+def test_tiny_gates_decide(finished):
   _, workdir, _ = finished
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
-  assert card["gates"], "no defended configuration was gated"
+  decisions = {g["config"]["defense_params"].get("label") or
+               f"decoy_rows/{g['config']['defense_params']['mitigation']}": g["decision"]
+               for g in card["gates"]}
+  assert decisions == TINY_DECISIONS
   for gate in card["gates"]:
-    assert gate["decision"] in ("PASS", "FAIL", "INSUFFICIENT_EVIDENCE")
     assert gate["n_seeds"] == 3
+    if gate["config"]["defense"] == "decoy_rows":
+      assert any("no positive control" in r for r in gate["reasons"]), gate["reasons"]
+    else:
+      assert gate["envelope"]["floor_pp"] < 1.0, gate["envelope"]
+  # The policy's primary test is at k = 6; tiny has k = 2 only: not evaluated, and says why.
+  (primary,) = card["contrasts"]["primary"]
+  assert primary == {"evaluated": False, "reason": "no measured joint/activation records at "
+                     "cut 6, public knowledge"}
+
+
+def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
+  _, workdir, _ = finished
+  card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
+  quality = card["qualification"]
+  assert quality["activation"]["reference_consistency"]["status"] == "pass"
+  assert quality["activation"]["real_model"]["status"] == "pass"
+  # Refitting on the defended calibration beats the unaware attack except under mixup.
+  adaptation = quality["activation_defense_aware"]["adaptation"]
+  assert {e["detail"].split()[0]: e["status"] for e in adaptation["evidence"]} == {
+      "gaussian_sigma0.3": "pass", "mixup_m2": "partial", "projection_enabledTrue": "pass",
+      "quantize_bits2": "pass", "topk_sparsity0.75": "pass"}
+  assert adaptation["status"] == "partial"
+  cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
+           if c["defense"] == "decoy_rows" and c["knowledge"] == "trained"}
+  assert cells[("decoy_structural", "gradients")] == "covered"
+  assert cells[("decoy_content", "activations+gradients")] == "covered"
+  assert card["coverage"]["unplaced"] == []
 
 
 def test_rerun_of_a_finished_study_only_renders(finished):

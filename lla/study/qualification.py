@@ -76,7 +76,7 @@ def from_card(card: dict, modules: list[dict], pol: policy_lib.Policy) -> list[d
                   f"{reference['excess_pp']:+.2f} pp")
       out.append({"module": spec["name"], "kind": "adaptation", "status": status,
                   "evidence": "runs " + ", ".join(_runs(card, config, key)),
-                  "detail": f"{config['defense']} {config['defense_params']} "
+                  "detail": f"{config['defense_params'].get('label', config['defense'])} "
                             f"({_where(config)}): excess {metrics['excess_pp']:+.2f} pp, "
                             f"{versus}"})
   return out
