@@ -14,7 +14,10 @@ from lla.model.loading import load_model
 
 def calibration_tokens(config: ml_collections.ConfigDict):
   if config.tokens_npy:
-    return load_tokens_npy(config.tokens_npy)
+    try:
+      return load_tokens_npy(config.tokens_npy)
+    except ValueError as e:
+      raise replay.ReplayInputError(f"--config.calibration.tokens_npy: {e}") from None
   data = {k: v for k, v in config.to_dict().items() if k != "tokens_npy"}
   return data_load.load_splits(**data).calibration.tokens
 
@@ -47,8 +50,9 @@ def attack_names(text: str) -> list[str]:
 
 
 def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
+  """The replay of experiments/replay.py: a whole run, sealed when it ends."""
   if not config.capture_dir:
-    raise ValueError("--config.capture_dir is required")
+    raise replay.ReplayInputError("--config.capture_dir is required")
   registry.load_plugins(config.plugins)
   budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
   model = load_model(config.attacker)
@@ -62,4 +66,5 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
   return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
                        budget, int(config.seed), run_prefix=config.run_prefix,
                        reference_prefix=config.reference_prefix or None,
-                       model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget)
+                       model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget,
+                       seal=True)
