@@ -7,13 +7,13 @@ the client's detectors, and replays of the hijacked captures.
 Variants (`:ARG`):
   cpu   the embedded 8-layer d = 128 GPT-2 pre-trained by the main job (its checkpoint in
         --config.model.checkpoint), k = 6, 3 calibration + 3 judged seeds per server, N up to
-        60 hijacked steps: sized for a few minutes of the main job on 2 CPU cores.
+        40 hijacked steps: sized for a few minutes of the main job on 2 CPU cores.
   tiny  a randomly initialised 4-layer d = 32 model, a handful of steps: the tests.
 """
 
 import ml_collections
 
-from configs import finetune, models
+from configs import decoy_leak, finetune, models
 from lla import data
 
 
@@ -36,8 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.n_eval = 8 if tiny else 32  # Documents captured and attacked at each step N.
   c.cut = 2 if tiny else 6  # k; the main job's `trained` targets are at k = 6.
   c.batch_size = 8 if tiny else 16  # B, client and public batches alike.
-  c.num_steps = 16 if tiny else 60  # Split fine-tuning steps per run (fake batches included).
-  c.capture_steps = (0, 16) if tiny else (0, 20, 40, 60)  # N: captures and task loss.
+  c.num_steps = 16 if tiny else 40  # Split fine-tuning steps per run (fake batches included).
+  c.capture_steps = (0, 16) if tiny else (0, 10, 20, 40)  # N: captures and task loss.
   # The client's optimiser: the fine-tune AdamW of configs/finetune.py (per-party clip 1.0,
   # lr 3e-4, cosine over num_steps); the server does not choose it.
   c.client_optimizer = finetune.get_config("tiny" if tiny else "embedded").optimizer
@@ -51,12 +51,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.fsha.critic_hidden = 32 if tiny else 256  # Critic MLP width (notes 4.8: 256).
   c.fsha.gp_weight = 500.0  # WGAN-GP weight (official 500).
   c.fsha.lr_pilot = 1e-5  # Pilot/decoder Adam lr during the hijack (official lr_tilde).
-  c.fsha.lr_critic = 1e-4  # Critic Adam lr (official lr_D).
+  # Critic Adam lr: official lr_D = 1e-4 is 10x the official client lr (1e-5); here the
+  # client fine-tunes at 3e-4, and with 1e-4 the client outruns the critic (its score
+  # falls without bound), so the official ratio is kept: 3e-3, 5 updates per step.
+  c.fsha.lr_critic = 3e-3
+  c.fsha.critic_steps = 5  # Critic updates per client step (official 1; see lr_critic).
+  # Keep training pilot/decoder during the hijack (official). At d = 128 random unit-RMS
+  # rows already decode exactly (L_ae = 0 in float32, so its gradient is 0): off on CPU.
+  c.fsha.train_pilot = tiny
   c.fsha.alpha = 1.0  # Scale of the returned gradient (official 1).
-  c.fsha.stats_decay = 0.9  # EMA of the per-dimension statistics of h.
+  c.fsha.stats_steps = 1  # First steps whose h fix the per-dimension statistics.
   c.fsha.zero_last_row = True  # Return g[:, T-1] = 0 like an honest server.
   c.fsha.pilot_seed = 0  # Init and batches of the pilot pre-training.
-  c.fsha.pretrain_steps = 20 if tiny else 200  # Pilot/decoder pre-training (notes 4.8: 200).
+  # Pilot/decoder pre-training (notes 4.8: 200); at d = 128 L_ae is 0 from the start.
+  c.fsha.pretrain_steps = 20
   c.fsha.pretrain_lr = 1e-3  # Its Adam lr (notes 4.8; SplitLLM's fit_auto_encoder).
   # Malicious servers run beside the honest one: (kind, beta); "fsha" is the published
   # attack, ("mixed", beta) returns (1-beta) g_task + beta |g_task|/|g_adv| g_adv per row.
@@ -64,10 +72,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seeds = (0, 1, 2) if not tiny else (0,)  # Judged runs: one per server per seed.
   c.calibration_seeds = (100, 101, 102) if not tiny else (100,)  # Honest runs fixing thresholds.
   c.detectors = ml_collections.ConfigDict()
-  # SplitGuard (official N = 20, p_fake = 0.1); on the CPU run's 60 steps a warm-up of 10
-  # and p_fake = 0.2 give ~10 fake batches per run instead of ~4.
-  c.detectors.splitguard_warmup = 1 if tiny else 10
-  c.detectors.p_fake = 0.4 if tiny else 0.2
+  # SplitGuard (official N = 20, p_fake = 0.1); on the CPU run's 40 steps a warm-up of 5
+  # and p_fake = 0.25 give ~8 fake batches per run instead of ~2.
+  c.detectors.splitguard_warmup = 1 if tiny else 5
+  c.detectors.p_fake = 0.4 if tiny else 0.25
   c.detectors.mult = 5.0  # Official squashing: sigmoid(mult x)^exp.
   c.detectors.exp = 2.0
   c.detectors.reference_every = 2 if tiny else 5  # Reference-cosine check every n batches.
@@ -86,4 +94,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.replay.budget.c_g = 16  # Joint: gradient candidates.
   c.replay.budget.ridge_alpha = 1e-3  # Ridge strength.
   c.replay.memory_budget_mb = 1024  # Per-chunk attack working set.
+  # The second active attack: the cloud's probe of the decoy-row split (lla.active.decoy_probe).
+  c.decoy_probe = ml_collections.ConfigDict()
+  c.decoy_probe.enabled = True  # Run it in this experiment.
+  # The split itself: the main job's decoy variant (synthetic tokens, a 2-layer model).
+  c.decoy_probe.system = decoy_leak.get_config("tiny")
+  c.decoy_probe.seeds = (0,) if tiny else (0, 1, 2)  # Independent systems (init, data, secrets).
+  c.decoy_probe.steps = 32 if tiny else 256  # Training steps = probed frames per run.
+  c.decoy_probe.amplitudes = (0.3,) if tiny else (0.1, 0.3, 1.0)  # a; a = 0 always runs too.
   return c

@@ -7,8 +7,8 @@ pilot's feature space; the decoder then inverts h. Losses, signs, update order a
 WGAN-GP penalty follow the official code (`pasquini-dario/SplitNN_FSHA`, `FSHA.py`); the
 token-level networks are the design of notes/active-server.md section 4.4:
 
-  normalised activations  n(h) = (h - off) / scale, per-dimension running statistics of the
-                          h the server observes (it sees them anyway), so that neither the
+  normalised activations  n(h) = (h - off) / scale, per-dimension statistics of the first h
+                          the server observes (it sees them anyway), so that neither the
                           critic nor the pilot wins on scale or outlier dimensions alone;
   pilot                   f~(x')[t] = sqrt(d) u / |u|, u = E[x'_t] + P[t]: the token-level
                           analogue of the official linear pilot (unit-RMS rows like n(h));
@@ -43,8 +43,14 @@ class FSHASpec:
     gp_weight: w_gp of the WGAN-GP penalty (official: 500).
     lr_pilot: Adam lr of pilot + decoder during the hijack (official lr_tilde 1e-5).
     lr_critic: Adam lr of the critic (official lr_D 1e-4).
+    critic_steps: critic updates per client step on the same batches (official 1).
+    train_pilot: keep training pilot/decoder on L_ae during the hijack (official). Where
+      pre-training already drives L_ae to 0 in float32 its gradient is 0 and the update
+      changes nothing, so turning it off only saves the V-wide softmax.
     alpha: scale of the returned gradient (official 1; FSHA_distcor's alpha2 = 50).
-    stats_decay: EMA decay of the per-dimension statistics of h (0 = last batch only).
+    stats_steps: the first steps whose h set the per-dimension statistics (their running
+      mean); frozen afterwards, so that the pilot's feature space is a fixed target in h
+      space (statistics that follow h would move the target as the client moves).
     zero_last_row: return g[:, T-1] = 0, like an honest gradient (h[:, T-1] reaches no loss
       term), instead of a free tell.
   """
@@ -56,8 +62,10 @@ class FSHASpec:
   gp_weight: float = 500.0
   lr_pilot: float = 1e-5
   lr_critic: float = 1e-4
+  critic_steps: int = 1
+  train_pilot: bool = True
   alpha: float = 1.0
-  stats_decay: float = 0.9
+  stats_steps: int = 1
   zero_last_row: bool = True
 
 
@@ -105,13 +113,15 @@ def init_stats(spec: FSHASpec) -> dict:
 
 
 def update_stats(spec: FSHASpec, stats: dict, h: jax.Array) -> dict:
-  """EMA of the per-dimension mean and std of h [B, T, d]; the first batch sets them."""
+  """The per-dimension mean and std of h [B, T, d], averaged over the first
+  `spec.stats_steps` batches, then left unchanged."""
   mean = jnp.mean(h, axis=(0, 1))
   std = jnp.sqrt(jnp.var(h, axis=(0, 1)) + 1e-6)
-  decay = jnp.where(stats["count"] > 0, spec.stats_decay, 0.0)
-  return {"off": decay * stats["off"] + (1 - decay) * mean,
-          "scale": decay * stats["scale"] + (1 - decay) * std,
-          "count": stats["count"] + 1}
+  count = stats["count"]
+  weight = jnp.where(count < spec.stats_steps, 1.0 / (count + 1.0), 0.0)
+  return {"off": (1 - weight) * stats["off"] + weight * mean,
+          "scale": (1 - weight) * stats["scale"] + weight * std,
+          "count": jnp.minimum(count + 1, spec.stats_steps)}
 
 
 def normalise(stats: dict, h: jax.Array) -> jax.Array:
@@ -170,12 +180,14 @@ def client_objective(critic: dict, stats: dict, h: jax.Array) -> jax.Array:
   return jnp.mean(critic_scores(critic, normalise(stats, h)))
 
 
-def adversarial_gradient(spec: FSHASpec, critic: dict, stats: dict, h: jax.Array) -> jax.Array:
-  """g = alpha dL_f/dh [B, T, d], with the last row zeroed if `spec.zero_last_row`."""
-  g = spec.alpha * jax.grad(client_objective, argnums=2)(critic, stats, h)
+def adversarial_gradient(spec: FSHASpec, critic: dict, stats: dict,
+                         h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(L_f, g = alpha dL_f/dh [B, T, d]), the last row of g zeroed if `spec.zero_last_row`."""
+  value, g = jax.value_and_grad(client_objective, argnums=2)(critic, stats, h)
+  g = spec.alpha * g
   if spec.zero_last_row:
     g = g.at[:, -1].set(0.0)
-  return g
+  return value, g
 
 
 # --- the server's state and one hijacking step --------------------------------------------------
@@ -198,25 +210,34 @@ def hijack_step(spec: FSHASpec, state: dict, h: jax.Array, public: jax.Array, ke
   """One FSHA server step on the observed h [B, T, d] and a public batch [B, T].
 
   Order as the official `train_step`: g from the pre-update critic (after the statistics
-  take in this h), then one pilot/decoder step on L_ae and one critic step on L_D.
+  take in this h), then one pilot/decoder step on L_ae and `critic_steps` critic steps on
+  L_D (official: one; the k-th uses the key folded with k for its interpolation draw).
 
   Returns:
-    (new state, g [B, T, d], log {ae_loss, critic_loss, gp, client_objective}).
+    (new state, g [B, T, d], log {ae_loss (if the pilot trains), critic_loss, gp,
+    critic_client (= L_f), critic_pilot}): the critic's scores are the pre-update critic's.
   """
   stats = update_stats(spec, state["stats"], h)
-  g = adversarial_gradient(spec, state["critic"], stats, h)
+  objective, g = adversarial_gradient(spec, state["critic"], stats, h)
   n_client = normalise(stats, h)
   z_pilot = pilot_features(state["pilot"], public)
   pilot_tx, critic_tx = optimizers(spec)
-  ae, g_pilot = jax.value_and_grad(autoencoder_loss)(state["pilot"], public)
-  upd, pilot_opt = pilot_tx.update(g_pilot, state["pilot_opt"], state["pilot"])
-  pilot = optax.apply_updates(state["pilot"], upd)
-  (ld, gp), g_critic = jax.value_and_grad(critic_loss, argnums=1, has_aux=True)(
-      spec, state["critic"], n_client, z_pilot, key)
-  upd, critic_opt = critic_tx.update(g_critic, state["critic_opt"], state["critic"])
-  critic = optax.apply_updates(state["critic"], upd)
-  log = {"ae_loss": ae, "critic_loss": ld, "gp": gp,
-         "client_objective": client_objective(state["critic"], stats, h)}
+  pilot, pilot_opt, log = state["pilot"], state["pilot_opt"], {}
+  if spec.train_pilot:
+    ae, g_pilot = jax.value_and_grad(autoencoder_loss)(pilot, public)
+    upd, pilot_opt = pilot_tx.update(g_pilot, pilot_opt, pilot)
+    pilot = optax.apply_updates(pilot, upd)
+    log["ae_loss"] = ae
+  critic, critic_opt = state["critic"], state["critic_opt"]
+  for i in range(spec.critic_steps):
+    (loss, gp), g_critic = jax.value_and_grad(critic_loss, argnums=1, has_aux=True)(
+        spec, critic, n_client, z_pilot, jax.random.fold_in(key, i))
+    if i == 0:
+      ld, gp0 = loss, gp
+    upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
+    critic = optax.apply_updates(critic, upd)
+  log.update(critic_loss=ld, gp=gp0, critic_client=objective,
+             critic_pilot=jnp.mean(critic_scores(state["critic"], z_pilot)))
   new = {"pilot": pilot, "critic": critic, "stats": stats, "pilot_opt": pilot_opt,
          "critic_opt": critic_opt}
   return new, g, log

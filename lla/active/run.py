@@ -122,8 +122,10 @@ def fsha_spec(config, cfg: gpt2.GPT2Config) -> fsha.FSHASpec:
   return fsha.FSHASpec(vocab_size=cfg.vocab_size, seq_len=int(config.data.seq_len),
                        width=cfg.n_embd, critic_hidden=int(f.critic_hidden),
                        gp_weight=float(f.gp_weight), lr_pilot=float(f.lr_pilot),
-                       lr_critic=float(f.lr_critic), alpha=float(f.alpha),
-                       stats_decay=float(f.stats_decay), zero_last_row=bool(f.zero_last_row))
+                       lr_critic=float(f.lr_critic), critic_steps=int(f.critic_steps),
+                       train_pilot=bool(f.train_pilot),
+                       alpha=float(f.alpha),
+                       stats_steps=int(f.stats_steps), zero_last_row=bool(f.zero_last_row))
 
 
 def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.Path):
@@ -133,7 +135,8 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
   f = config.fsha
   plan = {"pretrain_steps": int(f.pretrain_steps), "pretrain_lr": float(f.pretrain_lr),
           "batch_size": int(config.batch_size), "seed": int(f.pilot_seed),
-          "public_sha256": data.token_sha256(public_tokens), "spec": dataclasses.asdict(spec)}
+          "public_sha256": data.token_sha256(public_tokens),
+          "shape": [spec.vocab_size, spec.seq_len, spec.width]}
   if meta_path.exists():
     meta = files.read_json(str(meta_path))
     raw = path.read_bytes()
@@ -410,7 +413,22 @@ def recovery(study: pathlib.Path, run: str, step: str, attack_name: str) -> dict
   truth = rundir.load_truth(rundir.resolve(str(study), record["truth_file"]))
   hits, n = metrics.token_recovery(pred, truth, record["scored_positions"])
   base, _ = metrics.baseline_hits(truth, record["baseline_token"], record["scored_positions"])
-  return {"status": "ok", "hits": hits, "n": n, "baseline_hits": base}
+  return {"status": "ok", "hits": hits, "n": n, "baseline_hits": base,
+          "relabelled_hits": relabelled_hits(pred, truth)}
+
+
+def relabelled_hits(pred: np.ndarray, truth: np.ndarray) -> int:
+  """Hits under the best one-to-one relabelling of predicted tokens (Hungarian on the
+  confusion counts): a scorer-side diagnostic of whether a hijack converged to *some*
+  token-level map (distribution matching fixes the map only up to such a permutation).
+  An upper bound the attacker cannot reach without labels; never a recovery figure."""
+  from scipy.optimize import linear_sum_assignment  # pylint: disable=g-import-not-at-top
+  p_ids, p_idx = np.unique(pred.reshape(-1), return_inverse=True)
+  t_ids, t_idx = np.unique(truth.reshape(-1), return_inverse=True)
+  confusion = np.zeros((len(p_ids), len(t_ids)), np.int64)
+  np.add.at(confusion, (p_idx, t_idx), 1)
+  rows, cols = linear_sum_assignment(confusion, maximize=True)
+  return int(confusion[rows, cols].sum())
 
 
 def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathlib.Path) -> dict:
@@ -435,6 +453,7 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
         recovery_rows.append({
             "server": group, "step": int(step), "attack": attack_name, "seeds": len(ok),
             "token_recovery": hits / n if n else None,
+            "relabelled": sum(p["relabelled_hits"] for p in ok) / n if n else None,
             "baseline": sum(p["baseline_hits"] for p in ok) / n if n else None,
             "per_seed": [p["hits"] / p["n"] if p and p["status"] == "ok" else None
                          for p in per_seed]})
@@ -478,5 +497,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, study: str | None = Non
   for result in judged:
     replay_run(setup, result, workdir, study_dir)
   summary = summarise(setup, fixed, judged, study_dir)
+  if config.decoy_probe.enabled:
+    from lla.active import decoy_probe  # pylint: disable=g-import-not-at-top
+    summary["decoy_probe"] = decoy_probe.run(config.decoy_probe, str(workdir / "decoy_probe"))
   files.atomic_write_json(str(workdir / "summary.json"), summary, overwrite=True)
   return summary

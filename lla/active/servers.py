@@ -94,7 +94,7 @@ class FSHAServer:
   def respond(self, state: dict, forward: Forward, oracle) -> Backward:
     del oracle
     return Backward(g=fsha.adversarial_gradient(self.spec, state["critic"], state["stats"],
-                                                forward.h))
+                                                forward.h)[1])
 
   def step(self, state: dict, forward: Forward, oracle, public, key):
     del oracle
