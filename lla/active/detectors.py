@@ -71,6 +71,7 @@ class SplitGuard:
   def __init__(self, warmup: int, p_fake: float, mult: float, exp: float):
     self.warmup, self.p_fake, self.mult, self.exp = warmup, p_fake, mult, exp
     self.fakes, self.r1, self.r2 = [], [], []
+    self.split = None  # Set by `plan`: which regular vectors go to R1.
 
   def plan(self, num_steps: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
     """[S] int32 target shift per step: 0 for a regular batch, r in 1..V-1 for a fake one.
