@@ -13,7 +13,7 @@ Variants (`:ARG`):
 
 import ml_collections
 
-from configs import decoy_leak, finetune, models
+from configs import decoy_leak, finetune, models, scoring
 from lla import data
 
 
@@ -94,6 +94,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.replay.budget.c_g = 16  # Joint: gradient candidates.
   c.replay.budget.ridge_alpha = 1e-3  # Ridge strength.
   c.replay.memory_budget_mb = 1024  # Per-chunk attack working set.
+  # Scoring of this experiment's own study (configs/scoring.py with the threat space of
+  # these replays): the coverage report and qualification matrix show the active tier.
+  c.scoring = scoring.get_config()
+  c.scoring.threat_space.families = ("beam_inversion", "active_hijack")
+  c.scoring.threat_space.observations = ("activations", "activations+gradients")
+  c.scoring.threat_space.knowledge = ("trained", "none")
+  c.scoring.threat_space.defenses = ("none",)
+  c.scoring.threat_space.out_of_scope = (
+      {"family": "beam_inversion", "knowledge": "none",
+       "reason": "passive inversion runs the attacker's copy of the client layers"},
+      {"family": "active_hijack", "knowledge": "trained",
+       "reason": "FSHA as published holds no client weights"},
+      {"family": "active_hijack", "observation": "activations+gradients",
+       "reason": "fsha_decode reads the forward messages only"},
+  )
+  c.scoring.secondary = ()  # No primary-test setting (k = 6 public) in this study.
   # The second active attack: the cloud's probe of the decoy-row split (lla.active.decoy_probe).
   c.decoy_probe = ml_collections.ConfigDict()
   c.decoy_probe.enabled = True  # Run it in this experiment.

@@ -186,6 +186,13 @@ def section(active_dir, out_dir) -> list[str]:
       "threshold; on honest runs a firing is a false alarm, on malicious ones a detection. "
       "The Wilson bound is one-sided at 95%.", "", *detection_table(summary), "",
       "![detection curves](active_detection.png)"]
+  card_path = active_dir / "study" / "scorecard.json"
+  if card_path.exists():
+    coverage = files.read_json(str(card_path))["coverage"]
+    lines += ["", "### Coverage of this study by tier (study/scorecard.md)", "",
+              "| tier | covered | partial | unmeasured | out of scope |", "|---|---|---|---|---|"]
+    lines += [f"| {tier} | {n['covered']} | {n['partial']} | {n['unmeasured']} | "
+              f"{n['out of scope']} |" for tier, n in sorted(coverage["tiers"].items())]
   if (active_dir / PROBE).exists():
     probe = files.read_json(str(active_dir / PROBE))
     probe_figure(probe, out_dir / "active_decoy_probe.png")

@@ -496,6 +496,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, study: str | None = Non
     rundir.create_study(str(study_dir), {"config": config.to_dict(), "kind": "active_server"})
   for result in judged:
     replay_run(setup, result, workdir, study_dir)
+  if study is None:
+    # Its own study is scored here (a caller's study is scored by the caller).
+    from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+    from lla.scoring import scorecard  # pylint: disable=g-import-not-at-top
+    scorecard.score_run(str(study_dir), config.scoring, modules=registry.module_entries(),
+                        overwrite=True)
   summary = summarise(setup, fixed, judged, study_dir)
   if config.decoy_probe.enabled:
     from lla.active import decoy_probe  # pylint: disable=g-import-not-at-top
