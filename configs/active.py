@@ -5,9 +5,12 @@ the client's detectors, and replays of the hijacked captures.
       --config.model.checkpoint=RUN/pretrain/checkpoint --workdir=runs/active
 
 Variants (`:ARG`):
-  cpu   the embedded 8-layer d = 128 GPT-2 pre-trained by the main job (its checkpoint in
-        --config.model.checkpoint), k = 6, 3 calibration + 3 judged seeds per server, N up to
-        40 hijacked steps: sized for a few minutes of the main job on 2 CPU cores.
+  cpu   the main job's section: the embedded 8-layer d = 128 GPT-2 pre-trained by the main
+        job (its checkpoint in --config.model.checkpoint), k = 6, 3 calibration + 3 judged
+        seeds per server, B = 8, N up to 30 hijacked steps, the cheap passive attacks
+        (ridge; beam search on honest captures): a few minutes on 2 CPU cores.
+  full  the same with B = 16, N up to 40 and the beam-search attacks (activation, joint)
+        on every capture.
   tiny  a randomly initialised 4-layer d = 32 model, a handful of steps: the tests.
 """
 
@@ -19,9 +22,9 @@ from lla import data
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
-  if variant not in ("cpu", "tiny"):
-    raise ValueError(f"unknown variant {variant!r}: cpu or tiny")
-  tiny = variant == "tiny"
+  if variant not in ("cpu", "full", "tiny"):
+    raise ValueError(f"unknown variant {variant!r}: cpu, full or tiny")
+  tiny, full = variant == "tiny", variant == "full"
   c = ml_collections.ConfigDict()
   c.variant = variant  # Recorded with every run.
   # The base model: the client's starting point (knowledge `trained`: all its layers train).
@@ -35,9 +38,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.n_train = 32 if tiny else 128  # Fine-tuning documents.
   c.data.n_eval = 8 if tiny else 32  # Documents captured and attacked at each step N.
   c.cut = 2 if tiny else 6  # k; the main job's `trained` targets are at k = 6.
-  c.batch_size = 8 if tiny else 16  # B, client and public batches alike.
-  c.num_steps = 16 if tiny else 40  # Split fine-tuning steps per run (fake batches included).
-  c.capture_steps = (0, 16) if tiny else (0, 10, 20, 40)  # N: captures and task loss.
+  c.batch_size = 16 if full else 8  # B, client and public batches alike.
+  # Split fine-tuning steps per run (fake batches included) and the steps N at which the
+  # evaluation documents are captured and the task loss measured.
+  c.num_steps = 40 if full else (16 if tiny else 30)
+  c.capture_steps = (0, 10, 20, 40) if full else ((0, 16) if tiny else (0, 10, 30))
   # The client's optimiser: the fine-tune AdamW of configs/finetune.py (per-party clip 1.0,
   # lr 3e-4, cosine over num_steps); the server does not choose it.
   c.client_optimizer = finetune.get_config("tiny" if tiny else "embedded").optimizer
@@ -72,8 +77,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seeds = (0, 1, 2) if not tiny else (0,)  # Judged runs: one per server per seed.
   c.calibration_seeds = (100, 101, 102) if not tiny else (100,)  # Honest runs fixing thresholds.
   c.detectors = ml_collections.ConfigDict()
-  # SplitGuard (official N = 20, p_fake = 0.1); on the CPU run's 40 steps a warm-up of 5
-  # and p_fake = 0.25 give ~8 fake batches per run instead of ~2.
+  # SplitGuard (official N = 20, p_fake = 0.1); on the CPU runs' 30-40 steps a warm-up of 5
+  # and p_fake = 0.25 give 6-9 fake batches per run instead of 1-2.
   c.detectors.splitguard_warmup = 1 if tiny else 5
   c.detectors.p_fake = 0.4 if tiny else 0.25
   c.detectors.mult = 5.0  # Official squashing: sigmoid(mult x)^exp.
@@ -82,11 +87,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.detectors.quantile = 0.99  # Threshold: this quantile of calibration alarm scores.
   c.detectors.wilson_z = 1.6449  # One-sided 95% Wilson bound on detection / false-alarm rates.
   # Replays of every capture (lla.attacks.replay): honest runs get the passive attacks under
-  # `trained` knowledge; hijacked runs fsha_decode (knowledge none) and the passive ridge +
-  # beam attack on the same documents.
+  # `trained` knowledge, hijacked runs fsha_decode (knowledge none) and passive attacks on
+  # the same documents. Beam search costs ~10 s per capture on 2 cores: cpu runs it on the
+  # honest captures only.
   c.replay = ml_collections.ConfigDict()
-  c.replay.honest = ("activation", "joint")
-  c.replay.hijacked = ("fsha_decode", "activation")
+  c.replay.honest = ("activation", "joint") if full else ("ridge", "activation")
+  c.replay.hijacked = ("fsha_decode", "activation") if full else ("fsha_decode", "ridge")
   c.replay.budget = ml_collections.ConfigDict()
   c.replay.budget.candidates = 32  # C (PROTOCOL section 4).
   c.replay.budget.beam_width = 2  # W.
@@ -97,11 +103,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Scoring of this experiment's own study (configs/scoring.py with the threat space of
   # these replays): the coverage report and qualification matrix show the active tier.
   c.scoring = scoring.get_config()
-  c.scoring.threat_space.families = ("beam_inversion", "active_hijack")
+  c.scoring.threat_space.families = ("ridge", "beam_inversion", "active_hijack")
   c.scoring.threat_space.observations = ("activations", "activations+gradients")
   c.scoring.threat_space.knowledge = ("trained", "none")
   c.scoring.threat_space.defenses = ("none",)
   c.scoring.threat_space.out_of_scope = (
+      {"family": "ridge", "knowledge": "none",
+       "reason": "passive inversion runs the attacker's copy of the client layers"},
+      {"family": "ridge", "observation": "activations+gradients",
+       "reason": "ridge inversion reads activations only"},
       {"family": "beam_inversion", "knowledge": "none",
        "reason": "passive inversion runs the attacker's copy of the client layers"},
       {"family": "active_hijack", "knowledge": "trained",

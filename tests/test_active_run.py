@@ -104,3 +104,23 @@ def test_fsha_decode_replays_bit_identical(runs):
                           str(tmp / "a" / "captures" / "honest_s10" / "step_8"), attacker,
                           ["fsha_decode"], {}, 0)
   assert records[0].status == "crashed" and "no FSHA decoder" in records[0].error
+
+
+@pytest.mark.slow
+def test_tiny_experiment_end_to_end(tmp_path):
+  """configs/active.py:tiny through run.run and the report (WikiText-2, tiny model)."""
+  from lla.active import report  # pylint: disable=g-import-not-at-top
+  summary = run.run(active.get_config("tiny"), str(tmp_path))
+  servers = {r["server"] for r in summary["recovery"]}
+  assert servers == {"honest", "fsha", "mixed0.2"}
+  assert all(r["token_recovery"] is not None for r in summary["recovery"])
+  assert set(summary["detection"]) == {"splitguard", "reference_cosine"}
+  card = json.loads((tmp_path / "study" / "scorecard.json").read_text())
+  assert card["coverage"]["tiers"]["active"]["partial"] + \
+      card["coverage"]["tiers"]["active"]["covered"] >= 1
+  assert summary["decoy_probe"]["table"]
+  path = report.write(tmp_path, tmp_path / "report")
+  text = path.read_text()
+  assert "fsha_decode (none)" in text and "Decoy-row split" in text
+  for figure in ("active_recovery.png", "active_detection.png", "active_decoy_probe.png"):
+    assert (tmp_path / "report" / figure).stat().st_size > 0

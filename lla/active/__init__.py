@@ -6,6 +6,7 @@ fine-tuning with an honest or a malicious server and measures what the malicious
 and what the client can detect:
 
   protocol.py    the two messages (Forward, Backward): nothing else crosses the boundary
+  parts.py       the two parties' shares of a GPT-2 and the server's forward
   client.py      the client: its layers, optimiser, the trusted loss oracle, detectors' probes
   servers.py     HonestServer, FSHAServer, MixedFSHAServer (never import client code or data)
   fsha.py        FSHA's pilot, decoder and critic for GPT-2 (Pasquini et al., CCS'21)
@@ -15,4 +16,6 @@ and what the client can detect:
   attack.py      the registered attack `fsha_decode` (replays a stored decoder on a capture)
   decoy_probe.py an active probe of the decoy-row split (PROTOCOL section 7)
   report.py      the main job's "active server" section
+
+docs/active_server.md describes the design; configs/active.py the runs.
 """

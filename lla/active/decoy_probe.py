@@ -151,6 +151,9 @@ def run(config, workdir: str) -> dict:
   """Every (seed, mitigation, amplitude) of `config` (configs/active.py `decoy_probe`);
   each result is stored and reused. Returns and writes workdir/decoy_probe.json."""
   decoy = config.system
+  os.makedirs(workdir, exist_ok=True)
+  config_sha = files.sha256_bytes(files.canonical_json(
+      {"system": decoy.to_dict(), "steps": int(config.steps)}))
   blocks = decoy_run.load_data(decoy)
   results = []
   for seed in config.seeds:
@@ -159,9 +162,13 @@ def run(config, workdir: str) -> dict:
         path = os.path.join(workdir, f"seed{seed}_{'mitigated' if mitigated else 'none'}_"
                                      f"a{amplitude:g}.json")
         if os.path.exists(path):
-          results.append(files.read_json(path))
+          stored = files.read_json(path)
+          if stored.get("config_sha256") != config_sha:
+            raise ValueError(f"{path} was made under another decoy config; use a new workdir")
+          results.append(stored)
           continue
         result = run_one(decoy, amplitude, int(seed), mitigated, blocks, int(config.steps))
+        result["config_sha256"] = config_sha
         files.atomic_write_json(path, result)
         logging.info("decoy probe seed %d %s a=%g: probe %.3f passive %.3f CE %.3f", seed,
                      "mitigated" if mitigated else "none", amplitude,

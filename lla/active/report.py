@@ -50,11 +50,15 @@ def recovery_table(summary: dict) -> list[str]:
 def loss_table(summary: dict) -> list[str]:
   rows = summary["task_loss"]
   steps = sorted({r["step"] for r in rows})
-  out = ["| server | " + " | ".join(f"N = {s}" for s in steps) + " |",
-         "|" + "---|" * (len(steps) + 1)]
+  out = ["| server | tail | " + " | ".join(f"N = {s}" for s in steps) + " |",
+         "|" + "---|" * (len(steps) + 2)]
   for server in sorted({r["server"] for r in rows}):
-    cells = {r["step"]: r["task_loss"] for r in rows if r["server"] == server}
-    out.append(f"| {server} | " + " | ".join(f"{cells[s]:.3f}" for s in steps) + " |")
+    cells = {r["step"]: r for r in rows if r["server"] == server}
+    for key, tail in (("task_loss", "served"), ("public_tail_loss", "public pre-trained")):
+      if key == "task_loss" and server == "fsha":
+        tail = "none trained: public pre-trained"
+      out.append(f"| {server} | {tail} | " +
+                 " | ".join(f"{cells[s][key]:.3f}" for s in steps) + " |")
   return out
 
 
@@ -178,7 +182,10 @@ def section(active_dir, out_dir) -> list[str]:
       "replayed: `fsha_decode` on hijacked captures, the passive ridge + beam attacks "
       "under `trained` knowledge on the same documents.", "",
       "### Token recovery against steps N (pooled over seeds)", "", *recovery_table(summary),
-      "", "### The client's task loss (held-out CE with the public pre-trained tail)", "",
+      "", "### The client's task loss (held-out CE of its layers and a tail)", "",
+      "`served`: the tail the server trains for the task (FSHA as published trains none, so "
+      "its client is served the public pre-trained tail); `public pre-trained`: the same "
+      "fixed tail for every server.", "",
       *loss_table(summary), "", "![recovery and task loss](active_recovery.png)", "",
       "### Client-side detection at thresholds fixed on calibration honest seeds", "",
       f"Thresholds sha256 `{summary['thresholds_sha256'][:16]}...`: the 0.99 quantile of "

@@ -242,10 +242,11 @@ def run_name(kind: str, beta: float, seed: int) -> str:
   return f"{server_label(kind, beta)}_s{seed}"
 
 
-def _task_loss(setup: Setup, cstate: dict) -> float:
-  """The client's held-out CE with the public tail, over its evaluation documents."""
+def _task_loss(setup: Setup, cstate: dict, tail: dict) -> float:
+  """Held-out CE of the client's current layers followed by `tail`, over its evaluation
+  documents."""
   tokens, size = setup.eval_tokens, int(setup.config.batch_size)
-  total = sum(float(heldout_ce(cstate["params"], setup.ref_tail, tokens[i:i + size],
+  total = sum(float(heldout_ce(cstate["params"], tail, tokens[i:i + size],
                                cfg=setup.cfg, k=setup.cut)) * len(tokens[i:i + size])
               for i in range(0, len(tokens), size))
   return total / len(tokens)
@@ -290,8 +291,9 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
 
   Returns:
     {"name", "kind", "beta", "seed", "windows": {detector: [[step, alarm score], ...]},
-     "task_loss": {step: CE}, "captures": {step: manifest sha256}, "steps": [per-step log],
-     "wall_s"}.
+     "task_loss": {step: held-out CE with the server's task tail (the public one if none)},
+     "public_tail_loss": {step: held-out CE with the public pre-trained tail},
+     "captures": {step: manifest sha256}, "steps": [per-step log], "wall_s"}.
   """
   config = setup.config
   name = run_name(kind, beta, seed)
@@ -314,10 +316,15 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
   batches = loop.batches(np.asarray(setup.splits.training.tokens), size, seed)
   keys = jax.random.split(k_steps, num_steps)
   windows = {name_: [] for name_ in detectors.DETECTORS}
-  task_loss, captures, steps = {}, {}, []
+  task_loss, public_tail_loss, captures, steps = {}, {}, {}, []
   for s in range(num_steps + 1):
     if s in capture_steps:
-      task_loss[str(s)] = _task_loss(setup, cstate)
+      # The model the client is served: its layers and the server's task tail (FSHA trains
+      # none: the public pre-trained tail); and, for comparison, the public tail for all.
+      deployed = servers.task_tail(server, sstate)
+      task_loss[str(s)] = _task_loss(setup, cstate,
+                                     setup.ref_tail if deployed is None else deployed)
+      public_tail_loss[str(s)] = _task_loss(setup, cstate, setup.ref_tail)
       captures[str(s)] = write_capture(setup, server, cstate, sstate, name, kind, seed, s,
                                        workdir / "captures" / name / f"step_{s}")
     if s == num_steps:
@@ -344,7 +351,7 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
       raise FloatingPointError(f"run {name}: non-finite value at step {s}: {log}")
   result = {"name": name, "kind": kind, "beta": float(beta), "seed": seed,
             "config_sha256": setup.config_sha256, "windows": windows, "task_loss": task_loss,
-            "captures": captures, "steps": steps, "wall_s": time.time() - start}
+            "public_tail_loss": public_tail_loss, "captures": captures, "steps": steps, "wall_s": time.time() - start}
   path.parent.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), result, overwrite=True)
   logging.info("active run %s: %d steps in %.0f s", name, num_steps, result["wall_s"])
@@ -413,22 +420,8 @@ def recovery(study: pathlib.Path, run: str, step: str, attack_name: str) -> dict
   truth = rundir.load_truth(rundir.resolve(str(study), record["truth_file"]))
   hits, n = metrics.token_recovery(pred, truth, record["scored_positions"])
   base, _ = metrics.baseline_hits(truth, record["baseline_token"], record["scored_positions"])
-  return {"status": "ok", "hits": hits, "n": n, "baseline_hits": base,
-          "relabelled_hits": relabelled_hits(pred, truth)}
+  return {"status": "ok", "hits": hits, "n": n, "baseline_hits": base}
 
-
-def relabelled_hits(pred: np.ndarray, truth: np.ndarray) -> int:
-  """Hits under the best one-to-one relabelling of predicted tokens (Hungarian on the
-  confusion counts): a scorer-side diagnostic of whether a hijack converged to *some*
-  token-level map (distribution matching fixes the map only up to such a permutation).
-  An upper bound the attacker cannot reach without labels; never a recovery figure."""
-  from scipy.optimize import linear_sum_assignment  # pylint: disable=g-import-not-at-top
-  p_ids, p_idx = np.unique(pred.reshape(-1), return_inverse=True)
-  t_ids, t_idx = np.unique(truth.reshape(-1), return_inverse=True)
-  confusion = np.zeros((len(p_ids), len(t_ids)), np.int64)
-  np.add.at(confusion, (p_idx, t_idx), 1)
-  rows, cols = linear_sum_assignment(confusion, maximize=True)
-  return int(confusion[rows, cols].sum())
 
 
 def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathlib.Path) -> dict:
@@ -445,6 +438,8 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
     for step in results[0]["captures"]:
       losses = [r["task_loss"][step] for r in results]
       loss_rows.append({"server": group, "step": int(step), "task_loss": float(np.mean(losses)),
+                        "public_tail_loss": float(np.mean([r["public_tail_loss"][step]
+                                                           for r in results])),
                         "per_seed": losses})
       for attack_name in names:
         per_seed = [recovery(study, r["name"], step, attack_name) for r in results]
@@ -453,7 +448,6 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
         recovery_rows.append({
             "server": group, "step": int(step), "attack": attack_name, "seeds": len(ok),
             "token_recovery": hits / n if n else None,
-            "relabelled": sum(p["relabelled_hits"] for p in ok) / n if n else None,
             "baseline": sum(p["baseline_hits"] for p in ok) / n if n else None,
             "per_seed": [p["hits"] / p["n"] if p and p["status"] == "ok" else None
                          for p in per_seed]})

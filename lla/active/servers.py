@@ -136,6 +136,13 @@ class MixedFSHAServer:
             {**log_task, **log_adv})
 
 
+def task_tail(server, state: dict) -> dict | None:
+  """The tail a server would deploy for the task (None: FSHA as published trains none)."""
+  if server.kind == "honest":
+    return state["params"]
+  return state["honest"]["params"] if server.kind == "mixed" else None
+
+
 def fsha_state(server, state: dict) -> dict | None:
   """The FSHA part of a server's state (None for an honest server)."""
   if server.kind == "fsha":
