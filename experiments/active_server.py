@@ -22,8 +22,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Experiment directory (resumable
 def main(argv):
   del argv
   runtime.configure()
-  summary = run.run(_CONFIG.value, _WORKDIR.value)
-  path = report.write(summary, f"{_WORKDIR.value}/report")
+  run.run(_CONFIG.value, _WORKDIR.value)
+  path = report.write(_WORKDIR.value, f"{_WORKDIR.value}/report")
   logging.info("active-server report: %s", path)
   print(path)
 
