@@ -85,3 +85,12 @@ def test_thresholds_quantile_hash_and_rates():
       1 + z * z / n)
   assert rates["rate"] == 0.5 and rates["wilson_upper"] == pytest.approx(wilson)
   assert rates["runs_detected"] == 1 and rates["first_steps"] == [5, None]
+
+
+def test_separation_against_brute_force():
+  honest, attack = [0.1, 0.3, 0.3, 0.2], [0.3, 0.5, 0.05]
+  pairs = [(a > h) + 0.5 * (a == h) for a in attack for h in honest]
+  sep = detectors.separation(honest, attack)
+  assert sep["auc"] == pytest.approx(np.mean(pairs))
+  assert sep["tpr_above_honest"] == pytest.approx(1 / 3)
+  assert detectors.separation([], attack) == {"auc": None, "tpr_above_honest": None}

@@ -151,3 +151,19 @@ def rates(judged: list[dict], z: float) -> dict:
           "wilson_upper": metrics.wilson_upper_rate(k / n, n, z) if n else None,
           "runs_detected": sum(j["first_step"] is not None for j in judged),
           "runs": len(judged), "first_steps": [j["first_step"] for j in judged]}
+
+
+def separation(honest: list[float], attack: list[float]) -> dict:
+  """Threshold-free view of one detector against one server, from judged windows' scores.
+
+  auc: P(attack score > honest score) + P(tie) / 2 (the Mann-Whitney statistic);
+  tpr_above_honest: the share of attack windows above every judged honest window, i.e. the
+  detection rate at an empirical false-alarm rate of 0 (chosen after the fact on the very
+  honest runs it is measured on: optimistic, unlike the fixed thresholds).
+  """
+  h, a = np.asarray(honest, np.float64), np.asarray(attack, np.float64)
+  if not len(h) or not len(a):
+    return {"auc": None, "tpr_above_honest": None}
+  greater = (a[:, None] > h[None, :]).mean()
+  ties = (a[:, None] == h[None, :]).mean()
+  return {"auc": float(greater + ties / 2), "tpr_above_honest": float(np.mean(a > h.max()))}

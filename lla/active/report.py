@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+from lla.active import detectors  # noqa: E402
 from lla.evidence import files  # noqa: E402
 
 SUMMARY, PROBE = "summary.json", "decoy_probe/decoy_probe.json"
@@ -77,9 +78,29 @@ def detection_table(summary: dict) -> list[str]:
   return out
 
 
+def _label(curve: dict) -> str:
+  return f"mixed{curve['beta']:g}" if curve["kind"] == "mixed" else curve["kind"]
+
+
+def separation_table(summary: dict) -> list[str]:
+  """AUC and the empirical detection rate above every judged honest window, per detector
+  and malicious server (threshold-free, computed from the stored windows)."""
+  out = ["| detector | server | AUC (malicious vs honest windows) | detected above every "
+         "honest window |", "|---|---|---|---|"]
+  for name in summary["detection"]:
+    scores = {}
+    for curve in summary["curves"].values():
+      scores.setdefault(_label(curve), []).extend(s for _, s in curve["windows"][name])
+    for server in sorted(k for k in scores if k != "honest"):
+      sep = detectors.separation(scores.get("honest", []), scores[server])
+      auc = "n/a" if sep["auc"] is None else f"{sep['auc']:.3f}"
+      out.append(f"| {name} | {server} | {auc} | {_pct(sep['tpr_above_honest'])} |")
+  return out
+
+
 def probe_table(probe: dict) -> list[str]:
   out = ["| mitigation | amplitude a | seeds | probe row agreement | passive (by norm) | "
-         "chance | exact frames | TLN held-out CE increase (nats) | train-loss increase |",
+         "chance | probe exact frames | TLN held-out CE increase (nats) | train-loss increase |",
          "|" + "---|" * 9]
   for r in probe["table"]:
     out.append(f"| {r['mitigation']} | {r['amplitude']:g} | {r['seeds']} | "
@@ -133,9 +154,10 @@ def detection_figure(summary: dict, path: pathlib.Path) -> None:
         seen.add(server)
     ax.axhline(summary["detection"][name]["threshold"], color="black", linestyle="--",
                label="threshold (calibration q0.99)")
+    ax.set_yscale("symlog", linthresh=1e-3)  # Honest and mixed scores sit near 0.
     ax.set_title(name)
     ax.set_xlabel("training step")
-    ax.set_ylabel("alarm score")
+    ax.set_ylabel("alarm score (symlog)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
   fig.tight_layout()
@@ -192,6 +214,7 @@ def section(active_dir, out_dir) -> list[str]:
       "the calibration runs' alarm scores. A window fires when its score exceeds the "
       "threshold; on honest runs a firing is a false alarm, on malicious ones a detection. "
       "The Wilson bound is one-sided at 95%.", "", *detection_table(summary), "",
+      "Threshold-free, on the judged runs' windows:", "", *separation_table(summary), "",
       "![detection curves](active_detection.png)"]
   card_path = active_dir / "study" / "scorecard.json"
   if card_path.exists():
