@@ -63,6 +63,17 @@ def loss_table(summary: dict) -> list[str]:
   return out
 
 
+def progress_table(summary: dict) -> list[str]:
+  rows = summary.get("hijack_progress", [])
+  steps = sorted({r["step"] for r in rows})
+  out = ["| server | " + " | ".join(f"N = {s}" for s in steps) + " |",
+         "|" + "---|" * (len(steps) + 1)]
+  for server in sorted({r["server"] for r in rows}):
+    cells = {r["step"]: r["critic_gap"] for r in rows if r["server"] == server}
+    out.append(f"| {server} | " + " | ".join(f"{cells[s]:+.2f}" for s in steps) + " |")
+  return out
+
+
 def detection_table(summary: dict) -> list[str]:
   out = ["| detector | threshold (alarm score) | calibration windows | server | fired / "
          "windows | rate | Wilson upper | runs detected | first firing step per seed |",
@@ -209,6 +220,9 @@ def section(active_dir, out_dir) -> list[str]:
       "its client is served the public pre-trained tail); `public pre-trained`: the same "
       "fixed tail for every server.", "",
       *loss_table(summary), "", "![recovery and task loss](active_recovery.png)", "",
+      "The critic's gap D(h) - D(pilot features) at step N-1 (mean over seeds): a hijack "
+      "that converges drives it to 0; the decoder inverts its own pilot's features exactly "
+      "(L_ae = 0 in float32 at d = 128).", "", *progress_table(summary), "",
       "### Client-side detection at thresholds fixed on calibration honest seeds", "",
       f"Thresholds sha256 `{summary['thresholds_sha256'][:16]}...`: the 0.99 quantile of "
       "the calibration runs' alarm scores. A window fires when its score exceeds the "

@@ -99,14 +99,16 @@ class Setup:
 def load_base(config, workdir: pathlib.Path) -> tuple[dict, gpt2.GPT2Config, str, dict]:
   """(params, cfg, params sha256, loading source) of the base model.
 
-  `config.model.checkpoint` (the main job's pre-trained base) or, with `init_seed` >= 0 and
-  no checkpoint, a seeded random init saved once under workdir/base (the tiny variant).
+  `config.model.checkpoint` (the main job's pre-trained base), `hf_dir` or `hub`; with none
+  of them and `init_seed` >= 0, a seeded random init saved once under workdir/base (the tiny
+  variant).
   """
   model = config.model
-  if not model.checkpoint:
+  source = {k: model[k] for k in ("checkpoint", "hf_dir", "hub") if model[k]}
+  if not source:
     if model.init_seed < 0:
-      raise ValueError("config.model.checkpoint is empty: name the pre-trained base (e.g. "
-                       "--config.model.checkpoint=RUN/pretrain/checkpoint)")
+      raise ValueError("config.model names no checkpoint, hf_dir or hub: name the pre-trained "
+                       "base (e.g. --config.model.checkpoint=RUN/pretrain/checkpoint)")
     cfg = models.gpt2_config(model)
     create = lambda: (gpt2.init_params(cfg, jax.random.key(model.init_seed)), cfg,
                       {"kind": "random-init", "seed": int(model.init_seed)})
@@ -114,7 +116,7 @@ def load_base(config, workdir: pathlib.Path) -> tuple[dict, gpt2.GPT2Config, str
     source = {"checkpoint": str(checkpoint.path)}
     return checkpoint.params, checkpoint.cfg, checkpoint.sha256, source
   params, cfg, provenance = models.load_base(model)
-  return params, cfg, provenance["params_sha256"], {"checkpoint": str(model.checkpoint)}
+  return params, cfg, provenance["params_sha256"], source
 
 
 def fsha_spec(config, cfg: gpt2.GPT2Config) -> fsha.FSHASpec:
@@ -432,8 +434,17 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
   groups = {}
   for result in judged:
     groups.setdefault(server_label(result["kind"], result["beta"]), []).append(result)
-  recovery_rows, loss_rows = [], []
+  recovery_rows, loss_rows, progress_rows = [], [], []
   for group, results in sorted(groups.items()):
+    if results[0]["kind"] != "honest":
+      # The critic's estimate of how far the client's h are from the pilot's features
+      # (the Wasserstein gap D(h) - D(z')); a converging hijack drives it to 0.
+      for step in results[0]["captures"]:
+        if int(step) > 0:
+          gaps = [r["steps"][int(step) - 1]["critic_client"]
+                  - r["steps"][int(step) - 1]["critic_pilot"] for r in results]
+          progress_rows.append({"server": group, "step": int(step),
+                                "critic_gap": float(np.mean(gaps)), "per_seed": gaps})
     names = config.replay.honest if results[0]["kind"] == "honest" else config.replay.hijacked
     for step in results[0]["captures"]:
       losses = [r["task_loss"][step] for r in results]
@@ -460,7 +471,8 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
       detection[name][group] = detectors.rates(judged_runs, z)
   return {"config_sha256": setup.config_sha256, "thresholds_sha256": calibration["sha256"],
           "thresholds": calibration["thresholds"], "calibration_windows": calibration["windows"],
-          "recovery": recovery_rows, "task_loss": loss_rows, "detection": detection,
+          "recovery": recovery_rows, "task_loss": loss_rows, "hijack_progress": progress_rows,
+          "detection": detection,
           "curves": {r["name"]: {"kind": r["kind"], "beta": r["beta"], "windows": r["windows"]}
                      for r in judged},
           "wall_s": {r["name"]: r["wall_s"] for r in judged}}
