@@ -221,8 +221,10 @@ def section(active_dir, out_dir) -> list[str]:
       "fixed tail for every server.", "",
       *loss_table(summary), "", "![recovery and task loss](active_recovery.png)", "",
       "The critic's gap D(h) - D(pilot features) at step N-1 (mean over seeds): a hijack "
-      "that converges drives it to 0; the decoder inverts its own pilot's features exactly "
-      "(L_ae = 0 in float32 at d = 128).", "", *progress_table(summary), "",
+      "that converges drives it to 0. The decoder inverts "
+      f"{_pct(summary.get('pilot_self_inversion'))} of its own pilot's features (on "
+      "public documents), so what it fails to invert is the client's h.", "",
+      *progress_table(summary), "",
       "### Client-side detection at thresholds fixed on calibration honest seeds", "",
       f"Thresholds sha256 `{summary['thresholds_sha256'][:16]}...`: the 0.99 quantile of "
       "the calibration runs' alarm scores. A window fires when its score exceeds the "

@@ -82,6 +82,7 @@ class Setup:
   pilot: dict | None
   pilot_sha256: str | None
   cspec: client.ClientSpec
+  pilot_self_inversion: float | None = None
 
   @property
   def cut(self) -> int:
@@ -166,13 +167,18 @@ def make_setup(config, workdir: pathlib.Path) -> Setup:
   splits = data.load_splits(**config.data.to_dict())
   public_tokens = public.public_windows(splits, int(config.public.n_docs),
                                         int(config.public.seed), config.data.data_dir)
-  pilot = pilot_sha = None
+  pilot = pilot_sha = self_inversion = None
   if any(kind != "honest" for kind, _ in config.attacks):
     pilot, pilot_sha, _ = pretrained_pilot(config, cfg, public_tokens, workdir / "pilot")
+    held_out = jnp.asarray(public_tokens[-int(config.batch_size):])
+    identity = (jnp.zeros(cfg.n_embd), jnp.ones(cfg.n_embd))
+    decoded = fsha.invert(pilot["emb"], pilot["tau"], pilot["bias"], *identity,
+                          fsha.pilot_features(pilot, held_out))
+    self_inversion = float(jnp.mean(decoded == held_out))
   cspec = client.ClientSpec.make(cfg, int(config.cut), config.client_optimizer,
                                  int(config.num_steps))
   return Setup(config, files.sha256_bytes(files.canonical_json(config.to_dict())), cfg, params,
-               base_id, source, splits, public_tokens, pilot, pilot_sha, cspec)
+               base_id, source, splits, public_tokens, pilot, pilot_sha, cspec, self_inversion)
 
 
 def make_server(setup: Setup, kind: str, beta: float):
@@ -470,6 +476,7 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
       judged_runs = [detectors.judge(r["windows"][name], threshold) for r in results]
       detection[name][group] = detectors.rates(judged_runs, z)
   return {"config_sha256": setup.config_sha256, "thresholds_sha256": calibration["sha256"],
+          "pilot_self_inversion": setup.pilot_self_inversion,
           "thresholds": calibration["thresholds"], "calibration_windows": calibration["windows"],
           "recovery": recovery_rows, "task_loss": loss_rows, "hijack_progress": progress_rows,
           "detection": detection,
