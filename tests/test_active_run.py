@@ -124,3 +124,18 @@ def test_tiny_experiment_end_to_end(tmp_path):
   assert "fsha_decode (none)" in text and "Decoy-row split" in text
   for figure in ("active_recovery.png", "active_detection.png", "active_decoy_probe.png"):
     assert (tmp_path / "report" / figure).stat().st_size > 0
+
+
+def test_public_text_is_disjoint_from_the_clients_documents(data_dir):
+  from lla import data  # pylint: disable=g-import-not-at-top
+  from lla.active import public  # pylint: disable=g-import-not-at-top
+  splits = data.load_splits(str(data_dir), n_calibration=8, n_train=128, n_eval=8)
+  windows = public.public_windows(splits, 500, 0, str(data_dir))
+  assert windows.shape == (500, splits.seq_len)
+  client_docs = {d.tobytes() for d in np.concatenate([splits.training.tokens,
+                                                      splits.evaluation.tokens])}
+  assert not any(w.tobytes() in client_docs for w in windows)
+  # Every training window was removed from the stream the public windows are cut from.
+  stream = data.pretraining_tokens(str(data_dir), exclude=splits, exclude_splits=("training",))
+  full = data.pretraining_tokens(str(data_dir))
+  assert len(full) - len(stream) == splits.training.tokens.size
