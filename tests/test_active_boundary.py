@@ -74,7 +74,8 @@ def test_servers_run_with_the_private_loaders_poisoned():
       for server, state in ((honest, honest.init(tail)),
                             (hijack, hijack.init(pilot, jax.random.key(4))),
                             (mixed, mixed.init(tail, pilot, jax.random.key(4)))):
-        _, back, _ = server.step(state, fwd, oracle, labels, jax.random.key(5))
+        step = jax.jit(lambda s, f, p, k, server=server: server.step(s, f, oracle, p, k))
+        _, back, _ = step(state, fwd, labels, jax.random.key(5))
         assert back.g.shape == h.shape
       loaded = [m for m in sys.modules if m.startswith("lla.")
                 and not isinstance(sys.modules[m], Poison)]

@@ -62,7 +62,8 @@ def test_fsha_server_returns_the_critic_gradient_with_a_zero_last_row():
   h = 3.0 + 2.0 * jax.random.normal(jax.random.key(2), (4, spec.seq_len, spec.width))
   public = jax.random.randint(jax.random.key(3), (4, spec.seq_len), 0, spec.vocab_size)
   forward = Forward(h=h, step=jnp.int32(0), run_id=jnp.int32(0))
-  new, backward, log = server.step(state, forward, None, public, jax.random.key(4))
+  step = jax.jit(lambda s, f, p, k: server.step(s, f, None, p, k))
+  new, backward, log = step(state, forward, public, jax.random.key(4))
   # Independently: the statistics of this first batch, the pre-update critic.
   off, scale = np.asarray(h).mean((0, 1)), np.sqrt(np.asarray(h).var((0, 1)) + 1e-6)
   np.testing.assert_allclose(new["stats"]["off"], off, rtol=1e-5, atol=1e-5)
@@ -136,4 +137,4 @@ def test_fake_batch_changes_targets_and_skips_the_update(tiny_split):
   h = split.client(params, cfg, tokens, k)
   loss = lambda h_: split.next_token_loss(parts.tail_logits(parts.tail_params(params, cfg, k),
                                                             cfg, h_, k), fake_targets)
-  np.testing.assert_allclose(out["g"], jax.grad(loss)(h), rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(out["g"], jax.jit(jax.grad(loss))(h), rtol=1e-5, atol=1e-7)
