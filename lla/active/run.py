@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import pathlib
 import time
 
@@ -35,11 +34,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
+from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
 
 from lla import data
 from lla.active import attack as fsha_attack
 from lla.active import client, detectors, fsha, parts, public, servers
-from lla.active.protocol import Forward, check_forward
+from lla.active.protocol import check_forward
 from lla.attacks import replay
 from lla.capture import capture, store
 from lla.evidence import files, rundir
@@ -145,15 +146,13 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
     raw = path.read_bytes()
     if meta["plan"] != plan or files.sha256_bytes(raw) != meta["sha256"]:
       raise ValueError(f"{directory}: pilot made with another plan or changed; use a new workdir")
-    from safetensors.numpy import load as load_st  # pylint: disable=g-import-not-at-top
-    return {k: jnp.asarray(v) for k, v in load_st(raw).items()}, meta["sha256"], meta["history"]
+    return {k: jnp.asarray(v) for k, v in load_safetensors(raw).items()}, meta["sha256"], meta["history"]
   rng = np.random.default_rng(int(f.pilot_seed))
   batches = (public_tokens[rng.integers(0, len(public_tokens), int(config.batch_size))]
              for _ in range(int(f.pretrain_steps)))
   pilot = fsha.init_pilot(spec, jax.random.key(int(f.pilot_seed)))
   pilot, losses = fsha.pretrain(pilot, batches, float(f.pretrain_lr))
-  from safetensors.numpy import save as save_st  # pylint: disable=g-import-not-at-top
-  raw = save_st({k: np.asarray(v) for k, v in pilot.items()})
+  raw = save_safetensors({k: np.asarray(v) for k, v in pilot.items()})
   directory.mkdir(parents=True, exist_ok=True)
   files.atomic_write_bytes(str(path), raw, overwrite=True)
   history = {"first": losses[:5], "last": losses[-5:], "every_10": losses[::10]}
@@ -359,7 +358,8 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
       raise FloatingPointError(f"run {name}: non-finite value at step {s}: {log}")
   result = {"name": name, "kind": kind, "beta": float(beta), "seed": seed,
             "config_sha256": setup.config_sha256, "windows": windows, "task_loss": task_loss,
-            "public_tail_loss": public_tail_loss, "captures": captures, "steps": steps, "wall_s": time.time() - start}
+            "public_tail_loss": public_tail_loss, "captures": captures, "steps": steps,
+            "wall_s": time.time() - start}
   path.parent.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), result, overwrite=True)
   logging.info("active run %s: %d steps in %.0f s", name, num_steps, result["wall_s"])
@@ -418,7 +418,8 @@ def replay_run(setup: Setup, result: dict, workdir: pathlib.Path, study: pathlib
 
 def recovery(study: pathlib.Path, run: str, step: str, attack_name: str) -> dict | None:
   """Token recovery (hits, n) and the frequency baseline of one replayed attack, or None."""
-  path = study / rundir.RECORDS / f"{replay.file_name(f'active/{run}/step{step}/{attack_name}')}.json"
+  name = replay.file_name(f"active/{run}/step{step}/{attack_name}")
+  path = study / rundir.RECORDS / f"{name}.json"
   if not path.exists():
     return None
   record = files.read_json(str(path))
