@@ -146,7 +146,8 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
     raw = path.read_bytes()
     if meta["plan"] != plan or files.sha256_bytes(raw) != meta["sha256"]:
       raise ValueError(f"{directory}: pilot made with another plan or changed; use a new workdir")
-    return {k: jnp.asarray(v) for k, v in load_safetensors(raw).items()}, meta["sha256"], meta["history"]
+    pilot = {k: jnp.asarray(v) for k, v in load_safetensors(raw).items()}
+    return pilot, meta["sha256"], meta["history"]
   rng = np.random.default_rng(int(f.pilot_seed))
   batches = (public_tokens[rng.integers(0, len(public_tokens), int(config.batch_size))]
              for _ in range(int(f.pretrain_steps)))
