@@ -166,6 +166,7 @@ def detection_figure(summary: dict, path: pathlib.Path) -> None:
     ax.axhline(summary["detection"][name]["threshold"], color="black", linestyle="--",
                label="threshold (calibration q0.99)")
     ax.set_yscale("symlog", linthresh=1e-3)  # Honest and mixed scores sit near 0.
+    ax.set_ylim(bottom=0.0)
     ax.set_title(name)
     ax.set_xlabel("training step")
     ax.set_ylabel("alarm score (symlog)")
