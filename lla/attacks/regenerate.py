@@ -51,14 +51,16 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
     raise ValueError(f"{record.capture_dir}: capture differs from the one record "
                      f"{record.run_id!r} was made from")
   mimic = inputs.get("calibration_defense")
-  return Workspace(capture.activations, capture.gradients, model.params, model.cfg,
-                   int(e["T"]["cut"]), calibration,
-                   ridge_alpha=float(e["B"]["fields"]["ridge_alpha"]),
-                   memory_budget_bytes=memory_budget_bytes, mesh=None,
-                   calibration_transform=None if mimic is None
-                   else aware.calibration_transform(**mimic),
-                   batch_docs=replay.batch_docs(capture.metadata),
-                   defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})})
+  ws = Workspace(capture.activations, capture.gradients, model.params, model.cfg,
+                 int(e["T"]["cut"]), calibration,
+                 ridge_alpha=float(e["B"]["fields"]["ridge_alpha"]),
+                 memory_budget_bytes=memory_budget_bytes, mesh=None,
+                 calibration_transform=None if mimic is None
+                 else aware.calibration_transform(**mimic),
+                 batch_docs=replay.batch_docs(capture.metadata),
+                 defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})},
+                 capture_dir=capture.directory)
+  return ws
 
 
 @dataclasses.dataclass(frozen=True)

@@ -308,7 +308,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
                    mesh=document_mesh() if mesh == "auto" else mesh,
                    calibration_transform=calibration_transform,
                    batch_docs=batch_docs(capture.metadata),
-                   defense={"name": defense, "params": dict(target_meta["defense_params"] or {})})
+                   defense={"name": defense, "params": dict(target_meta["defense_params"] or {})},
+                   capture_dir=capture.directory)
     truth_file = os.path.relpath(os.path.join(capture.directory, store.TRUTH_FILE), run_dir)
     common = dict(
         e_hash=e_hash, capture_dir=os.path.relpath(capture.directory, run_dir),

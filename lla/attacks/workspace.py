@@ -177,6 +177,8 @@ class Workspace:
     batch_docs: [B] documents in each document's training batch at capture time; the
       server's loss is the mean over batch_docs * (T - 1) positions, which scales g.
     defense: the capture's public defense description (name, params) or None.
+    capture_dir: the capture's directory, for attacks that read files stored with it and
+      covered by its manifest (an active server's decoder, lla.active.attack).
   """
 
   activations: np.ndarray
@@ -191,6 +193,7 @@ class Workspace:
   calibration_transform: Callable[[np.ndarray], np.ndarray] | None = None
   batch_docs: np.ndarray | None = None
   defense: dict | None = None
+  capture_dir: str | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
   _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used

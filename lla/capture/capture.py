@@ -40,7 +40,9 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                    batch_size: int = 32, session_id: str | None = None,
                    messages=None, defense: str = "none", defense_params: dict | None = None,
                    defense_seed_sha256: str = "",
-                   extra_metadata: dict | None = None) -> str:
+                   extra_metadata: dict | None = None,
+                   attacker: protocol.Attacker | None = None,
+                   extra_files: dict[str, bytes] | None = None) -> str:
   """Runs the split on `tokens` [B, T] and writes a capture; returns its manifest sha256.
 
   Args:
@@ -48,6 +50,10 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
     defense, defense_params: the defense that produced `messages` (public parameters only).
     defense_seed_sha256: hash of its secret seed, so that two instances of one defense
       configuration (the gate's seeds) are distinct targets in E.
+    attacker: E's V (position and rights) when it is not the passive server, e.g. an active
+      server that wrote the gradients (lla.active).
+    extra_files: files stored with the capture and covered by its manifest
+      (store.write_capture).
   """
   tokens = np.asarray(tokens)
   if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -66,6 +72,7 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                         defense_params=protocol.frozen(defense_params or {}),
                         defense_seed_sha256=defense_seed_sha256,
                         n_layer=cfg.n_layer),
+      V=attacker or protocol.Attacker(),
       O=protocol.Observations(activations=True, gradients=g is not None),
       C=protocol.Corpora(name=corpus, seq_len=int(tokens.shape[1]),
                          split_hashes=protocol.frozen(split_hashes or {})))
@@ -84,4 +91,4 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
       "e_hash": e.sha256(),
       **(extra_metadata or {}),
   }
-  return store.write_capture(directory, h, g, tokens, metadata)
+  return store.write_capture(directory, h, g, tokens, metadata, extra_files)

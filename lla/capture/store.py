@@ -4,6 +4,8 @@
       messages.safetensors   activations [B, T, d] float32; gradients [B, T, d] (training)
       truth.safetensors      tokens [B, T] int32 (ground truth, for the scorer only)
       metadata.json          session id, step, order, document ids, E, checkpoint hash
+      <extra files>          optional files an attack replays with the capture (e.g. the
+                             decoder an active server trained), named in metadata.json
       manifest.sha256        sha256 of every other file
 
 A capture is written into a temporary sibling directory and renamed into place, so an
@@ -86,8 +88,12 @@ def _check_messages(name: str, activations, gradients, tokens) -> None:
                          f"{tokens.dtype} {tokens.shape}")
 
 
+RESERVED_FILES = (MESSAGES_FILE, TRUTH_FILE, METADATA_FILE, manifest.MANIFEST_NAME)
+
+
 def write_capture(directory: str | os.PathLike, activations: np.ndarray,
-                  gradients: np.ndarray | None, tokens: np.ndarray, metadata: dict) -> str:
+                  gradients: np.ndarray | None, tokens: np.ndarray, metadata: dict,
+                  extra_files: dict[str, bytes] | None = None) -> str:
   """Writes a capture atomically; refuses to overwrite an existing one.
 
   Args:
@@ -95,6 +101,8 @@ def write_capture(directory: str | os.PathLike, activations: np.ndarray,
     gradients: [B, T, d] float32 or None.
     tokens: [B, T] int32 ground truth.
     metadata: JSON-serialisable; must hold `document_ids` (B of them) and `protocol`.
+    extra_files: file name -> bytes, written beside the messages and covered by the
+      manifest (plain names, none of RESERVED_FILES).
 
   Returns:
     The sha256 of the written manifest (the capture's identity).
@@ -108,6 +116,11 @@ def write_capture(directory: str | os.PathLike, activations: np.ndarray,
   _check_messages(str(directory), activations, gradients, tokens)
   if len(metadata.get("document_ids", ())) != activations.shape[0]:
     raise CaptureError(f"{directory}: metadata needs {activations.shape[0]} document_ids")
+  extra_files = dict(extra_files or {})
+  for name in extra_files:
+    if name in RESERVED_FILES or os.path.basename(name) != name or name.startswith("."):
+      raise CaptureError(f"{directory}: extra file name {name!r} is reserved or not a plain "
+                         "file name")
   directory.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
   try:
@@ -117,6 +130,8 @@ def write_capture(directory: str | os.PathLike, activations: np.ndarray,
     save_file(messages, str(staging / MESSAGES_FILE))
     save_file({"tokens": tokens}, str(staging / TRUTH_FILE))
     files.atomic_write_json(str(staging / METADATA_FILE), {"schema": SCHEMA, **metadata})
+    for name, content in sorted(extra_files.items()):
+      files.atomic_write_bytes(str(staging / name), content)
     manifest.write_manifest(str(staging / ""))
     if directory.exists():
       directory.rmdir()

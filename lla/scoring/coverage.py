@@ -7,6 +7,10 @@ Cells are attack family x observation x knowledge x defense. A cell is
 skipped: never counted as a failed attack) or `out of scope` (declared so,
 with a reason). Whole threat classes outside the grid can be declared
 unmeasured (PROTOCOL section 7) and are listed until measured.
+
+Each cell also carries its tier, "passive" or "active" (a family is active when
+any of its modules is: the server wrote the messages it returned), and the
+counts are reported per tier as well, so the active tier is read on its own.
 """
 
 import dataclasses
@@ -66,14 +70,17 @@ def report(records: list[AttackRecord], space: ThreatSpace,
   Args:
     records: all attack records (any status).
     space: the declared threat space.
-    modules: registry entries {"name", "family", "observations": [...]}.
+    modules: registry entries {"name", "family", "observations": [...], "tier"
+      (optional, default "passive")}.
     seed_fields: record fields whose distinct values count as seeds.
     min_seeds: seeds a cell needs to be `covered`.
   Returns:
-    {"cells": [...], "counts": {status: n}, "in_scope", "unmeasured_share",
+    {"cells": [...], "counts": {status: n}, "tiers": {tier: {status: n}}, "in_scope",
+     "unmeasured_share",
      "declared_unmeasured": [...], "unplaced": [...]}.
   """
   by_name = {m["name"]: m for m in modules}
+  active = {m["family"] for m in modules if m.get("tier", "passive") == "active"}
   cells = {}
   unplaced = []
   for r in records:
@@ -89,15 +96,19 @@ def report(records: list[AttackRecord], space: ThreatSpace,
               for k in space.knowledge for d in space.defenses]:
     status, reason = _classify(key, cells.pop(key, []), space, seed_fields,
                                min_seeds)
-    out.append(dict(zip(AXES, key), status=status, reason=reason))
+    out.append(dict(zip(AXES, key), tier="active" if key[0] in active else "passive",
+                    status=status, reason=reason))
   for key, rs in sorted(cells.items()):
     unplaced += [{"run_id": r.run_id, "reason": f"cell {key} not in the "
                   "declared threat space"} for r in rs]
   counts = {s: sum(c["status"] == s for c in out)
             for s in (COVERED, PARTIAL, UNMEASURED, OUT_OF_SCOPE)}
   in_scope = len(out) - counts[OUT_OF_SCOPE]
+  tiers = {t: {s: sum(c["status"] == s for c in out if c["tier"] == t)
+               for s in (COVERED, PARTIAL, UNMEASURED, OUT_OF_SCOPE)}
+           for t in sorted({c["tier"] for c in out})}
   return {
-      "cells": out, "counts": counts, "in_scope": in_scope,
+      "cells": out, "counts": counts, "tiers": tiers, "in_scope": in_scope,
       "unmeasured_share": counts[UNMEASURED] / in_scope if in_scope else 0.0,
       "declared_unmeasured": [{"class": c, "reason": why}
                               for c, why in space.declared_unmeasured],

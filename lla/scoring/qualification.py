@@ -21,12 +21,13 @@ def matrix(modules: list[dict], evidence: list[dict]) -> dict:
   """Builds the per-module qualification matrix.
 
   Args:
-    modules: registry entries {"name", "capabilities": [...] (optional)}.
+    modules: registry entries {"name", "capabilities": [...] (optional), "tier"
+      (optional, default "passive")}.
     evidence: items {"module", "kind" in KINDS, "status" in STATUSES,
       "evidence": test id or run id, "capability" (optional), "detail"
       (optional)}.
   Returns:
-    module name -> {kind: {"status", "evidence": [...]},
+    module name -> {kind: {"status", "evidence": [...]}, "tier",
     "untested_capabilities": [...]}; a kind's status is its worst evidence
     ("fail" < "partial" < "pass"), or "not qualified" without evidence.
   """
@@ -37,6 +38,7 @@ def matrix(modules: list[dict], evidence: list[dict]) -> dict:
   for m in modules:
     out[m["name"]] = {k: {"status": NOT_QUALIFIED, "evidence": []}
                       for k in KINDS}
+    out[m["name"]]["tier"] = m.get("tier", "passive")
   tested = {n: set() for n in names}
   for i, e in enumerate(evidence):
     where = f"qualification evidence #{i} ({e.get('evidence')!r})"

@@ -416,11 +416,18 @@ def markdown(card: dict) -> str:
           f"{len(cost['flops_unknown'])} runs), wall time "
           f"{cost['wall_s_total']:.1f} s."]
   if cov:
-    out += ["", "## Coverage", "", "| family | observation | knowledge | "
-            "defense | status | reason |", "|---" * 6 + "|"]
-    out += [f"| {c['family']} | {c['observation']} | {c['knowledge']} | "
-            f"{c['defense']} | {c['status']} | {c['reason']} |"
-            for c in cov["cells"]]
+    out += ["", "## Coverage"]
+    # Each tier on its own (cards scored before tiers existed are all passive).
+    for tier in sorted({c.get("tier", "passive") for c in cov["cells"]}, reverse=True):
+      cells = [c for c in cov["cells"] if c.get("tier", "passive") == tier]
+      n = {s: sum(c["status"] == s for c in cells)
+           for s in ("covered", "partial", "unmeasured", "out of scope")}
+      out += ["", f"### {tier.capitalize()} tier: covered {n['covered']}, partial "
+              f"{n['partial']}, unmeasured {n['unmeasured']}, out of scope "
+              f"{n['out of scope']}", "", "| family | observation | knowledge | "
+              "defense | status | reason |", "|---" * 6 + "|"]
+      out += [f"| {c['family']} | {c['observation']} | {c['knowledge']} | "
+              f"{c['defense']} | {c['status']} | {c['reason']} |" for c in cells]
     out += ["", "Declared unmeasured: " + "; ".join(
         d["class"] for d in cov["declared_unmeasured"])]
     if cov["unplaced"]:
@@ -429,10 +436,12 @@ def markdown(card: dict) -> str:
       out += [f"- {u['run_id']}: {u['reason']}" for u in cov["unplaced"]]
   if card["qualification"] is not None:
     out += ["", "## Qualification (separate from attack results)", "",
-            "| module | " + " | ".join(qualification_lib.KINDS) +
-            " | untested |", "|---" * (len(qualification_lib.KINDS) + 2) + "|"]
-    for name, q in sorted(card["qualification"].items()):
-      out.append(f"| {name} | " + " | ".join(
+            "| module | tier | " + " | ".join(qualification_lib.KINDS) +
+            " | untested |", "|---" * (len(qualification_lib.KINDS) + 3) + "|"]
+    # Passive modules first, then the active tier's.
+    for name, q in sorted(card["qualification"].items(),
+                          key=lambda kv: (kv[1].get("tier", "passive") != "passive", kv[0])):
+      out.append(f"| {name} | {q.get('tier', 'passive')} | " + " | ".join(
           q[k]["status"] for k in qualification_lib.KINDS) +
                  f" | {', '.join(q['untested_capabilities']) or '-'} |")
   return "\n".join(out) + "\n"

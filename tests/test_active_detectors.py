@@ -1,0 +1,96 @@
+"""Client-side detectors (lla.active.detectors) against the reference formulas."""
+
+import math
+
+import numpy as np
+import pytest
+
+from lla.active import detectors
+
+
+def _official_sg_score(fakes, controls, regulars, mult=5, exp=2):
+  """`sg_score` of ege-erdogan/splitguard label-changing/splitguard.ipynb, transcribed."""
+  def angle(v1, v2):
+    u1, u2 = v1 / np.linalg.norm(v1), v2 / np.linalg.norm(v2)
+    return np.arccos(np.dot(u1, u2))
+  f_mean, c_mean, r_mean = sum(fakes) / len(fakes), sum(controls) / len(controls), \
+      sum(regulars) / len(regulars)
+  cr_mean = (c_mean + r_mean) / 2
+  f_mag = sum(np.linalg.norm(v) for v in fakes) / len(fakes)
+  c_mag = sum(np.linalg.norm(v) for v in controls) / len(controls)
+  r_mag = sum(np.linalg.norm(v) for v in regulars) / len(regulars)
+  cr_mag = (c_mag + r_mag) / 2
+  div = abs(f_mag - cr_mag) + abs(c_mag - r_mag)
+  x = (angle(f_mean, cr_mean) * (abs(f_mag - cr_mag) / div)
+       - angle(c_mean, r_mean) * (abs(r_mag - c_mag) / div))
+  return (1 / (1 + np.exp(-x * mult))) ** exp
+
+
+def test_splitguard_score_matches_the_official_formula():
+  rng = np.random.default_rng(0)
+  fakes = [rng.normal(size=20) * 3 + 1 for _ in range(3)]
+  r1 = [rng.normal(size=20) for _ in range(4)]
+  r2 = [rng.normal(size=20) for _ in range(5)]
+  assert detectors.splitguard_score(fakes, r1, r2) == pytest.approx(
+      _official_sg_score(fakes, r1, r2), rel=1e-12)
+  # Fake gradients that look like regular ones score low, different ones high.
+  same = detectors.splitguard_score(r1[:2], r1[2:], r2)
+  assert same < detectors.splitguard_score(fakes, r1, r2)
+
+
+def test_splitguard_plan_and_windows():
+  guard = detectors.SplitGuard(warmup=3, p_fake=0.5, mult=5, exp=2)
+  shifts = guard.plan(40, 100, np.random.default_rng(1))
+  assert np.all(shifts[:4] == 0) and np.all((shifts == 0) | ((shifts >= 1) & (shifts < 100)))
+  rng = np.random.default_rng(2)
+  windows = 0
+  for s in range(40):
+    window = guard.observe(s, rng.normal(size=5) + (5 if shifts[s] else 0), int(shifts[s]))
+    if window is not None:
+      windows += 1
+      # Every fake batch so far against R1 and R2 as they stand at this step.
+      assert shifts[s] and window[0] == s
+      assert window[1] == pytest.approx(
+          1 - _official_sg_score(guard.fakes, guard.r1, guard.r2), rel=1e-12)
+  assert windows >= 3
+  assert len(guard.r1) + len(guard.r2) == int(np.sum(shifts[4:] == 0))
+
+
+def test_reference_cosine_skips_the_last_row():
+  rng = np.random.default_rng(3)
+  g, ref = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 4))
+  ref_changed = ref.copy()
+  ref_changed[:, -1] = 100.0
+  a, b = g[:, :-1].ravel(), ref[:, :-1].ravel()
+  expected = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+  assert detectors.reference_cosine(g, ref) == pytest.approx(expected, rel=1e-12)
+  assert detectors.reference_cosine(g, ref_changed) == pytest.approx(expected, rel=1e-12)
+
+
+def test_thresholds_quantile_hash_and_rates():
+  scores = {"splitguard": [0.1, 0.5, 0.2], "reference_cosine": list(np.linspace(0, 1, 201))}
+  fixed = detectors.calibrate(scores, 0.99, {"seeds": [1]})
+  assert fixed["thresholds"]["splitguard"] == 0.5  # Fewer than 100 windows: their maximum.
+  assert fixed["thresholds"]["reference_cosine"] == pytest.approx(0.99)
+  detectors.check_thresholds(fixed)
+  tampered = dict(fixed, thresholds={**fixed["thresholds"], "splitguard": 0.9})
+  with pytest.raises(ValueError, match="sha256"):
+    detectors.check_thresholds(tampered)
+  judged = [detectors.judge([(0, 0.2), (5, 0.7), (9, 0.9)], 0.5),
+            detectors.judge([(0, 0.1)], 0.5)]
+  assert judged[0] == {"windows": 3, "fired": 2, "first_step": 5}
+  rates = detectors.rates(judged, z=1.6449)
+  p, n, z = 2 / 4, 4, 1.6449
+  wilson = (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (
+      1 + z * z / n)
+  assert rates["rate"] == 0.5 and rates["wilson_upper"] == pytest.approx(wilson)
+  assert rates["runs_detected"] == 1 and rates["first_steps"] == [5, None]
+
+
+def test_separation_against_brute_force():
+  honest, attack = [0.1, 0.3, 0.3, 0.2], [0.3, 0.5, 0.05]
+  pairs = [(a > h) + 0.5 * (a == h) for a in attack for h in honest]
+  sep = detectors.separation(honest, attack)
+  assert sep["auc"] == pytest.approx(np.mean(pairs))
+  assert sep["tpr_above_honest"] == pytest.approx(1 / 3)
+  assert detectors.separation([], attack) == {"auc": None, "tpr_above_honest": None}

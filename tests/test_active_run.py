@@ -1,0 +1,141 @@
+"""Split fine-tuning runs (lla.active.run): determinism, captures, fsha_decode replay."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from configs import active
+from lla.active import attack as fsha_attack
+from lla.active import client, fsha, run
+from lla.attacks import regenerate, replay
+from lla.capture import store
+from lla.data import passages
+from lla.evidence import rundir
+from lla.model import checkpoint as ckpt
+from lla.model import gpt2
+
+V, T = 64, 8
+SEED = 10  # With 8 steps its SplitGuard plan has fake batches after R1 and R2 fill.
+
+
+def _setup(tmp: pathlib.Path) -> run.Setup:
+  config = active.get_config("tiny")
+  config.batch_size, config.num_steps, config.capture_steps, config.cut = 4, 8, (0, 8), 1
+  config.detectors.splitguard_warmup, config.detectors.p_fake = 0, 0.5
+  cfg = gpt2.GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=3, n_head=2)
+  params = gpt2.init_params(cfg, jax.random.key(0))
+  base = ckpt.save(tmp / "base", params, cfg, {"kind": "test"}, export_hf=False)
+  rng = np.random.default_rng(0)
+  windows = rng.integers(0, V, (64, T)).astype(np.int32)
+  drawn = passages.draw_splits({"train": windows, "test": windows[::-1].copy()},
+                               {"calibration": "train", "training": "train",
+                                "evaluation": "test"},
+                               {"calibration": 8, "training": 16, "evaluation": 8}, 0)
+  splits = passages.Splits(corpus="synthetic", seq_len=T, seed=0, provenance={}, **drawn)
+  spec = run.fsha_spec(config, cfg)
+  pilot, _ = fsha.pretrain(fsha.init_pilot(spec, jax.random.key(1)),
+                           [windows[i:i + 4] for i in range(0, 16, 4)], 1e-3)
+  cspec = client.ClientSpec.make(cfg, 1, config.client_optimizer, config.num_steps)
+  return run.Setup(config, "test-config", cfg, params, base.sha256,
+                   {"checkpoint": str(base.path)}, splits, windows[32:], pilot, "test-pilot",
+                   cspec)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("active")
+  setup = _setup(tmp)
+  out = {}
+  for name, kinds in (("a", ("honest", "fsha")), ("b", ("fsha",))):
+    out[name] = {kind: run.simulate(setup, kind, 0.5, SEED, tmp / name, (0, 8))
+                 for kind in kinds}
+  return setup, tmp, out
+
+
+def test_a_run_replays_bit_for_bit(runs):
+  _, tmp, out = runs
+  for kind in ("fsha",):
+    a, b = dict(out["a"][kind]), dict(out["b"][kind])
+    a.pop("wall_s"), b.pop("wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), kind
+    assert a["windows"]["reference_cosine"] and a["windows"]["splitguard"]
+    for step, sha in a["captures"].items():
+      directory = tmp / "a" / "captures" / a["name"] / f"step_{step}"
+      assert store.verify(directory) == sha
+  assert out["a"]["fsha"]["steps"] != out["a"]["honest"]["steps"]
+
+
+def test_hijacked_capture_records_the_active_server(runs):
+  _, tmp, out = runs
+  meta = store.load_capture(tmp / "a" / "captures" / "fsha_s10" / "step_8").metadata
+  assert meta["protocol"]["V"] == {"position": "active_server",
+                                   "rights": ["observe", "write_gradient"]}
+  assert meta["active"]["step"] == 8 and meta["active"]["decoder_sha256"]
+  honest = store.load_capture(tmp / "a" / "captures" / "honest_s10" / "step_8").metadata
+  assert honest["protocol"]["V"]["position"] == "passive_server"
+  assert "decoder_sha256" not in honest["active"]
+
+
+def test_fsha_decode_replays_bit_identical(runs):
+  setup, tmp, _ = runs
+  capture_dir = tmp / "a" / "captures" / "fsha_s10" / "step_8"
+  attacker = run._attacker(setup, "none")  # pylint: disable=protected-access
+  predictions = []
+  for study in ("study1", "study2"):
+    rundir.create_study(str(tmp / study), {"test": True})
+    records = replay.replay(str(tmp / study), str(capture_dir), attacker, ["fsha_decode"],
+                            {}, 0, run_prefix="x/")
+    assert records[0].status == "ok", records[0].error
+    predictions.append(rundir.load_predictions(
+        rundir.resolve(str(tmp / study), records[0].prediction_file)))
+  assert np.array_equal(*predictions)
+  assert regenerate.regenerate(str(tmp / "study1")) == []
+  # The predictions are the stored decoder applied to the stored activations.
+  capture = store.load_capture(capture_dir)
+  decoder, _ = fsha_attack.load_decoder(str(capture_dir))
+  expected = fsha.invert(*(decoder[k] for k in fsha_attack.DECODER_KEYS), capture.activations)
+  assert np.array_equal(predictions[0], np.asarray(expected))
+  # An honest capture holds no decoder: the attack is recorded crashed, never as a result.
+  rundir.create_study(str(tmp / "study3"), {"test": True})
+  records = replay.replay(str(tmp / "study3"),
+                          str(tmp / "a" / "captures" / "honest_s10" / "step_8"), attacker,
+                          ["fsha_decode"], {}, 0)
+  assert records[0].status == "crashed" and "no FSHA decoder" in records[0].error
+
+
+@pytest.mark.slow
+def test_tiny_experiment_end_to_end(tmp_path):
+  """configs/active.py:tiny through run.run and the report (WikiText-2, tiny model)."""
+  from lla.active import report  # pylint: disable=g-import-not-at-top
+  summary = run.run(active.get_config("tiny"), str(tmp_path))
+  servers = {r["server"] for r in summary["recovery"]}
+  assert servers == {"honest", "fsha", "mixed0.2"}
+  assert all(r["token_recovery"] is not None for r in summary["recovery"])
+  assert set(summary["detection"]) == {"splitguard", "reference_cosine"}
+  card = json.loads((tmp_path / "study" / "scorecard.json").read_text())
+  assert card["coverage"]["tiers"]["active"]["partial"] + \
+      card["coverage"]["tiers"]["active"]["covered"] >= 1
+  assert summary["decoy_probe"]["table"]
+  path = report.write(tmp_path, tmp_path / "report")
+  text = path.read_text()
+  assert "fsha_decode (none)" in text and "Decoy-row split" in text
+  for figure in ("active_recovery.png", "active_detection.png", "active_decoy_probe.png"):
+    assert (tmp_path / "report" / figure).stat().st_size > 0
+
+
+def test_public_text_is_disjoint_from_the_clients_documents(data_dir):
+  from lla import data  # pylint: disable=g-import-not-at-top
+  from lla.active import public  # pylint: disable=g-import-not-at-top
+  splits = data.load_splits(str(data_dir), n_calibration=8, n_train=128, n_eval=8)
+  windows = public.public_windows(splits, 500, 0, str(data_dir))
+  assert windows.shape == (500, splits.seq_len)
+  client_docs = {d.tobytes() for d in np.concatenate([splits.training.tokens,
+                                                      splits.evaluation.tokens])}
+  assert not any(w.tobytes() in client_docs for w in windows)
+  # Every training window was removed from the stream the public windows are cut from.
+  stream = data.pretraining_tokens(str(data_dir), exclude=splits, exclude_splits=("training",))
+  full = data.pretraining_tokens(str(data_dir))
+  assert len(full) - len(stream) == splits.training.tokens.size
