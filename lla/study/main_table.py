@@ -30,6 +30,7 @@ from absl import logging
 from tqdm import tqdm
 
 from lla import data
+from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
@@ -42,7 +43,7 @@ from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
 from lla.model.checkpoint import params_sha256
 
-STUDY, CAPTURES, DECOY, TIMING = "study", "captures", "decoy", "timing.json"
+STUDY, CAPTURES, DECOY, ACTIVE, TIMING = "study", "captures", "decoy", "active", "timing.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +121,15 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
         d, t.params, t.cfg, splits.evaluation.tokens, splits.evaluation.document_ids, t.cut,
         model_id=t.model_id, corpus=splits.corpus, split_hashes=hashes, training=True,
         batch_size=int(config.capture_batch_size)),
-        expected={"T.model_id": target.model_id, "T.cut": target.cut,
-                  "C.split_hashes": hashes})
+        expected=capture_expectation(target, splits))
     out[target.name] = directory
   return out
+
+
+def capture_expectation(target: Target, splits) -> dict:
+  """What a reused capture of `target` must match (lla.capture.store.reuse_or_write)."""
+  return {"T.model_id": target.model_id, "T.cut": target.cut,
+          "C.split_hashes": {name: p.sha256 for name, p in splits.items()}}
 
 
 def attack_targets(config, study: pathlib.Path, targets: list[Target], captures: dict,
@@ -137,9 +143,52 @@ def attack_targets(config, study: pathlib.Path, targets: list[Target], captures:
   for target, seed in tqdm(jobs, desc="attacks", unit="replay"):
     primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
     attacks = list(config.attacks if primary else config.secondary_attacks)
-    replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks, config.budget,
-                  int(seed), run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
+    replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks,
+                  budget_lib.relevant(config.budget, attacks), int(seed),
+                  run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
                   memory_budget_bytes=chunk_budget)
+
+
+def published_attacks(config, workdir: pathlib.Path, study: pathlib.Path, targets: list[Target],
+                      splits, calibration: np.ndarray) -> None:
+  """The published attacks (SipIt, SIP, EIA, BiSR, TAG, LAMP) at the primary setting.
+
+  Their optimisation loops cost 10-100x the beam search per document, so on CPU they run on
+  the first `config.published.docs` evaluation documents of the first fine-tuned model at the
+  primary setting (a capture of its own, same batch size as the main captures), with the
+  budgets of `config.budget` (recorded in each record's E).
+  """
+  attacks = list(config.published.attacks)
+  if not attacks:
+    return
+  target = next(t for t in targets if t.cut == int(config.primary_cut)
+                and t.knowledge == "public")
+  docs = int(config.published.docs)
+  directory = workdir / CAPTURES / f"published_{target.name}"
+  hashes = {name: p.sha256 for name, p in splits.items()}
+  store.reuse_or_write(directory, lambda d: capture.capture_target(
+      d, target.params, target.cfg, splits.evaluation.tokens[:docs],
+      splits.evaluation.document_ids[:docs], target.cut, model_id=target.model_id,
+      corpus=splits.corpus, split_hashes=hashes, training=True,
+      batch_size=int(config.capture_batch_size)),
+      expected=capture_expectation(target, splits))
+  chunk_budget, _ = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+  for seed in config.attack_seeds:
+    replay.replay(str(study), str(directory), target.attacker(calibration), attacks,
+                  budget_lib.relevant(config.budget, attacks), int(seed),
+                  run_prefix=f"published/{target.name}/s{seed}/", model_seed=target.model_seed,
+                  memory_budget_bytes=chunk_budget)
+
+
+def active_server(config, workdir: pathlib.Path, base_source: dict) -> None:
+  """The active-server tier (lla.active) on the base model, in its own scored study."""
+  if not config.active.enabled:
+    return
+  from lla.active import run as active_run  # pylint: disable=g-import-not-at-top
+  active = ml_collections.ConfigDict(config.active.to_dict())
+  if "checkpoint" in base_source:
+    active.model.checkpoint = base_source["checkpoint"]
+  active_run.run(active, str(workdir / ACTIVE))
 
 
 def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
@@ -159,7 +208,8 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                   "C.split_hashes": hashes})
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
-    replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
+    replay.replay(str(study), str(directory), attacker, ["ridge"],
+                  budget_lib.relevant(config.budget, ["ridge"]), 0,
                   run_prefix=f"corpus_{corpus}/", memory_budget_bytes=memory.chunk_budget_bytes(
                       int(config.memory_budget_mb) << 20)[0])
 
@@ -223,6 +273,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   captures = capture_targets(config, workdir, targets, splits)
   _phase(workdir, "attacks")
   attack_targets(config, study, targets, captures, splits.calibration.tokens)
+  _phase(workdir, "published attacks")
+  published_attacks(config, workdir, study, targets, splits, splits.calibration.tokens)
   _phase(workdir, "corpus study")
   corpus_study(config, workdir, study, base, base_source)
   _phase(workdir, "defenses")
@@ -230,6 +282,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase(workdir, "decoy-row training split")
   # Its attacks' results are records of the study, so that coverage counts them.
   decoy_run.run(config.decoy, str(workdir / DECOY), study=str(study))
+  _phase(workdir, "active server")
+  active_server(config, workdir, base_source)
   _phase(workdir, "scoring")
   score(config, study)
   rundir.finalize(str(study))

@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from lla.active import report as active_report  # noqa: E402
 from lla.scoring import scorecard  # noqa: E402
 from lla.study import seed_figures  # noqa: E402
 
@@ -260,6 +261,19 @@ def decoy_section(workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
   return lines
 
 
+def phase_table(invocations: list[dict]) -> list[str]:
+  """Minutes per phase of each invocation (timing.json; a phase ends where the next, or
+  the invocation, does)."""
+  lines = ["| invocation | phase | minutes |", "|---|---|---|"]
+  for number, inv in enumerate(invocations, 1):
+    phases = inv.get("phases", [])
+    ends = [p["started_unix"] for p in phases[1:]] + [inv.get("finished_unix")]
+    for phase, end in zip(phases, ends):
+      minutes = "—" if end is None else f"{(end - phase['started_unix']) / 60:.1f}"
+      lines.append(f"| {number} | {phase['name']} | {minutes} |")
+  return lines
+
+
 def render(config, workdir) -> pathlib.Path:
   """Writes workdir/report/report.md (+ PNGs) from workdir/study/scorecard.json."""
   workdir = pathlib.Path(workdir)
@@ -303,6 +317,9 @@ def render(config, workdir) -> pathlib.Path:
       "![frontier](frontier.png) (data: frontier.json)", "",
       "## Decoy-row training split (PROTOCOL section 7)", "",
       *decoy_section(workdir, out), "",
+      "## Active server (a malicious server that crafts the returned gradients)", "",
+      *active_report.section(workdir / "active", out), "",
+      "## Wall time per phase", "", *phase_table(invocations), "",
       "## Exact-document against token recovery", "", "![recovery](recovery.png)", "",
       "## FLOPs and wall time per attack run", "", *cost_table(card), "",
       "## Scorecard (gates, coverage, qualification)", "", scorecard_md,
