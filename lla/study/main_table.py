@@ -288,6 +288,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   score(config, study)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
-  _log_invocation(workdir, "finished_unix", time.time())
   _phase(workdir, "report")
+  report.render(config, workdir)
+  _log_invocation(workdir, "finished_unix", time.time())
+  # Rendered again so that the phase table includes the report and the total.
   return report.render(config, workdir)
