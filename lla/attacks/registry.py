@@ -202,7 +202,8 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
   return True
 
 
-BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics")
+BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics",
+                   "lla.attacks.projection_adaptive")
 
 
 def load_builtin() -> None:
