@@ -84,3 +84,40 @@ def test_projection_adaptive_breaks_the_projection(case, undefended, kind):
   assert adapted >= 0.9 * undefended, (adapted, undefended, result.details)
   assert blind <= 0.2, blind  # the defense does stop the non-adaptive attack
   assert result.details["rank"] == CFG.n_embd
+
+
+def mixed_capture(case, m):
+  _, _, truth, h = case
+  defense = defenses.make("mixup", m=m)
+  mixed, lam, partners = defense.mix(jnp.asarray(h), jax.random.key(11))
+  return np.asarray(mixed), np.asarray(lam, np.float64), np.asarray(partners)
+
+
+def test_mixup_rows_are_convex_combinations(case):
+  _, _, _, h = case
+  mixed, lam, partners = mixed_capture(case, 3)
+  assert (lam >= 0).all() and np.allclose(lam.sum(1), 1.0)
+  expected = np.einsum("bj,bjtd->btd", lam, h.astype(np.float64)[partners])
+  np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5 * np.abs(h).max())
+  # The same coefficients at every position.
+  for t in range(T):
+    fit = np.linalg.lstsq(h[partners[0], t].T.astype(np.float64), mixed[0, t], rcond=None)[0]
+    np.testing.assert_allclose(fit, lam[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [2])
+def test_mixup_adaptive_recovers_the_texts(case, undefended, m):
+  _, _, truth, _ = case
+  mixed, lam, partners = mixed_capture(case, m)
+  ws = workspace(case, mixed, {"name": "mixup", "params": {"m": m, "alpha": 1.0}})
+  result, _ = registry.execute("mixup_adaptive", ws, budget(), jax.random.key(0))
+  # Each row's heaviest partner's text (what the attack predicts for the row; which of
+  # the exchangeable partners is the row's own document the messages do not say).
+  heaviest = truth[partners[np.arange(B), lam.argmax(1)]]
+  recovered = float(np.mean(result.predictions == heaviest))
+  blind, _ = registry.execute("activation", ws, budget(), jax.random.key(0))
+  blind = float(np.mean(blind.predictions == heaviest))
+  # Rows with near-equal coefficients are the hard ones (three of eight here); on this
+  # model the non-adaptive beam search also finds the heaviest partner's text.
+  assert recovered >= 0.6 and recovered >= blind, (recovered, blind, result.details)
+  assert result.details["position0_residual_median"] < 1e-5  # exact pursuit at t = 0
