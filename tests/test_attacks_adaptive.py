@@ -121,3 +121,26 @@ def test_mixup_adaptive_recovers_the_texts(case, undefended, m):
   # model the non-adaptive beam search also finds the heaviest partner's text.
   assert recovered >= 0.6 and recovered >= blind, (recovered, blind, result.details)
   assert result.details["position0_residual_median"] < 1e-5  # exact pursuit at t = 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,params,floor", [
+    ("quantize", {"bits": 4}, 0.95),
+    ("topk", {"sparsity": 0.75}, 0.95),
+    ("gaussian", {"sigma": 0.05}, None),
+])
+def test_likelihood_beam_breaks(case, name, params, floor):
+  """Every token a candidate (C = V here): the exact mechanisms are inverted exactly, and
+  the noise likelihood with the prior beats the plain search on the same noisy rows."""
+  _, _, truth, h = case
+  defense = defenses.make(name, **params)
+  keys = defenses.Secret.draw().keys(name) if defense.has_secret else None
+  y = np.asarray(defenses.apply(defense, jnp.asarray(h), keys))
+  ws = workspace(case, y, {"name": name, "params": params})
+  blind, _ = recovery(ws, "activation", truth)
+  adapted, result = recovery(ws, f"{name}_adaptive", truth,
+                             likelihood_candidates=CFG.vocab_size)
+  assert result.details["mechanism"]["name"] == name
+  if floor is not None:
+    assert adapted >= floor, (adapted, blind)
+  assert adapted >= blind + 0.2, (adapted, blind)
