@@ -26,6 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   model_name = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny"}[variant]
   config = ml_collections.ConfigDict()
   config.variant = variant  # Recorded in the report.
+  # Modules outside lla that register attacks ("pkg.module,..."); name their attacks in the
+  # attack lists below (docs/writing_an_attack.md).
+  config.plugins = ""
   # Pre-training of the base (configs/pretrain.py); skipped when model.hub/hf_dir is given.
   config.pretrain = pretrain.get_config("tiny" if tiny else "embedded")
   # The one-time pre-training: 300 steps x 16 x 128 tokens (~12 min on 2 idle cores).

@@ -49,6 +49,9 @@ def get_config(arg=None):
   c.secondary = (("shuffled_gradients", "activation"),
                  ("random_candidates", "activation"),
                  ("joint", "shuffled_gradients"))
+  # Text ROUGE-L (lla.scoring.similarity) decodes predictions with the GPT-2 tokenizer of
+  # $LLA_DATA_DIR; False leaves that metric out (the scorecard says so).
+  c.text_rouge = True
   # verify: also check each capture's manifest (needs the capture on disk).
   c.check_capture = True
   return c

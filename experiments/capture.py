@@ -9,6 +9,7 @@ A defense at the cut: --config.defense.name=<registered defense> and its public 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.capture import runner
 from lla.defenses import DefenseError
 
@@ -18,6 +19,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Capture directory to write.", r
 
 def main(argv):
   del argv
+  runtime.configure()
   try:
     sha = runner.capture_from_config(_CONFIG.value, _WORKDIR.value)
   except DefenseError as e:

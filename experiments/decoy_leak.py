@@ -6,6 +6,7 @@ r"""Decoy-row split experiment (PROTOCOL section 7); the logic is in `lla.decoy.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.decoy import report, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/decoy_leak.py[:cpu|tiny]",
@@ -16,6 +17,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  runtime.configure()
   summary = run.run(_CONFIG.value, _WORKDIR.value)
   logging.info("\n%s", report.markdown(summary))
 

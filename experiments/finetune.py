@@ -10,6 +10,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.train import finetune
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/finetune.py", lock_config=True)
@@ -19,6 +20,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (one checkpoint p
 
 def main(argv):
   del argv
+  runtime.configure()
   for checkpoint in finetune.finetune(_CONFIG.value, _WORKDIR.value):
     logging.info("seed %d: %s sha256 %s held-out CE %.4f", checkpoint.metadata["seed"],
                  checkpoint.path, checkpoint.sha256, checkpoint.metadata["eval_after"]["ce"])

@@ -9,6 +9,7 @@ artifact (verified by hash); on a finished run it re-renders the report.
 from absl import app, flags
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.study import main_table
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
@@ -18,6 +19,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/main", "Run directory (resumed i
 
 def main(argv):
   del argv
+  runtime.configure()
   report = main_table.run(_CONFIG.value, _WORKDIR.value)
   print(f"report: {report}")
 

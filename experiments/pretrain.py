@@ -11,6 +11,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.train import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/pretrain.py", lock_config=True)
@@ -19,6 +20,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoint cache
 
 def main(argv):
   del argv
+  runtime.configure()
   checkpoint = pretrain.pretrain(_CONFIG.value, _WORKDIR.value)
   valid = checkpoint.metadata["valid"]
   logging.info("checkpoint %s sha256 %s valid CE %.4f perplexity %.2f", checkpoint.path,

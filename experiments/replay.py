@@ -6,6 +6,7 @@
 from absl import app, flags
 from ml_collections import config_flags
 
+from lla import runtime
 from lla.attacks import replay_runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
@@ -15,6 +16,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it ex
 
 def main(argv):
   del argv
+  runtime.configure()
   records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
   for record in records:
     print(f"{record.attack:24s} {record.status:8s} flops={record.flops} wall_s={record.wall_s}")

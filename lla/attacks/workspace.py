@@ -303,13 +303,17 @@ class Workspace:
 
   def _ridge_analytic(self) -> float:
     d, rows = self.cfg.n_embd, self.calibration_tokens.size
-    client = 2.0 * rows * self.cut * (12 * d * d + self.seq_len * d)
-    return client + ridge.ridge_flops(rows, d, d)
+    return ridge.ridge_flops(rows, d, d)
 
   def calibration_activations(self) -> np.ndarray:
-    """[N, T, d] the attacker's client on its calibration documents (metered)."""
-    return np.asarray(self.call(split.client, self.params, cfg=self.cfg,
-                                tokens=jnp.asarray(self.calibration_tokens), k=self.cut))
+    """[N, T, d] the attacker's client on its calibration documents (stage
+    `calibration_activations`)."""
+    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    compute = lambda: np.asarray(self.call(split.client, self.params, cfg=self.cfg,
+                                           tokens=jnp.asarray(self.calibration_tokens),
+                                           k=self.cut))
+    return self.stage("calibration_activations", compute,
+                      analytic=2.0 * rows * self.cut * (12 * d * d + self.seq_len * d))
 
   def _fit_ridge(self) -> ridge.RidgeDecoder:
     h_cal = self.calibration_activations()

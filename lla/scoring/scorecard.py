@@ -21,19 +21,23 @@ from lla.scoring import gates
 from lla.scoring import metrics
 from lla.scoring import policy as policy_lib
 from lla.scoring import qualification as qualification_lib
+from lla.scoring import similarity
 
 SCHEMA = "lla.scorecard.v1"
 
 
-def score_records(run_dir: str, records) -> tuple[list[gates.Scored], dict]:
-  """Counts for every measured record; per-document hits for the bootstrap.
+def score_records(run_dir: str, records, tokenizer=None
+                  ) -> tuple[list[gates.Scored], dict, dict]:
+  """Counts for every measured record; per-document hits for the bootstrap; the papers'
+  similarity metrics (lla.scoring.similarity).
 
   Returns:
-    (scored, per_doc) with per_doc[run_id] = [B] int hits per document.
+    (scored, per_doc, similar) with per_doc[run_id] = [B] int hits per document and
+    similar[run_id] = similarity.Sums.
   Raises:
     ValueError naming the file when a prediction's hash or shape is wrong.
   """
-  truths, scored, per_doc = {}, [], {}
+  truths, scored, per_doc, similar = {}, [], {}, {}
   for r in records:
     if r.status != "ok":
       scored.append(gates.Scored(r, None))
@@ -53,7 +57,9 @@ def score_records(run_dir: str, records) -> tuple[list[gates.Scored], dict]:
         pred, truth, r.baseline_token, r.scored_positions)))
     per_doc[r.run_id] = metrics.per_document_hits(pred, truth,
                                                   r.scored_positions)
-  return scored, per_doc
+    similar[r.run_id] = similarity.document_sums(pred, truth, r.scored_positions,
+                                                 tokenizer)
+  return scored, per_doc, similar
 
 
 def difference_matrix(scored, per_doc, treatment: str, control: str, cut: int,
@@ -147,7 +153,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
           modules: list[dict] | None = None,
           qualification_evidence: list[dict] | None = None,
           secondary: list[tuple[str, str]] = (),
-          contrasts: bool = True) -> dict:
+          contrasts: bool = True, tokenizer=None) -> dict:
   """Scores a run directory. This is the function the main job calls.
 
   Args:
@@ -160,13 +166,15 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
     qualification_evidence: see `qualification.matrix`.
     secondary: (treatment, control) secondary contrasts, Bonferroni-corrected.
     contrasts: False skips the bootstrap (gates only; recorded in "inputs").
+    tokenizer: the GPT-2 tokenizer (lla.data.load_tokenizer) for text ROUGE-L; None
+      leaves that metric out, and the scorecard says so.
   Returns:
     The scorecard as a JSON-ready dict (schema lla.scorecard.v1).
   """
   pol = policy or policy_lib.load_policy()
   protocol = files.read_json(os.path.join(run_dir, rundir.PROTOCOL))
   records = rundir.load_records(run_dir)
-  scored, per_doc = score_records(run_dir, records)
+  scored, per_doc, similar = score_records(run_dir, records, tokenizer)
   flags = policy_lib.check(pol, policy_lib.recorded_policy_hash(protocol),
                            rundir.run_started(run_dir))
   rows = []
@@ -177,6 +185,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
         "knowledge", "corpus", "model_seed", "seed", "scored_positions",
         "flops", "flops_source", "wall_s")}
     row["metrics"] = metrics.summarize(s.counts, pol.wilson_z) if s.counts else None
+    row["similarity"] = similar[r.run_id].means() if s.counts else None
     rows.append(row)
   groups = collections.defaultdict(list)
   for s in scored:
@@ -190,6 +199,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
       configs.append({"config": {f: getattr(g[0].record, f)
                                  for f in gates.CONFIG_FIELDS},
                       "pooled": pooled,
+                      "similarity": _pooled_similarity(measured, similar),
                       "envelope": metrics.envelope(pooled) if pooled else None,
                       "unmeasured": sorted(s.record.run_id for s in g
                                            if s.counts is None)})
@@ -215,6 +225,8 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
                "flops_unknown": sorted(r.run_id for r in records
                                        if r.flops is None),
                "wall_s_total": sum(r.wall_s or 0.0 for r in records)},
+      "similarity_note": (None if tokenizer is not None else
+                          "rouge_l_text not computed: no GPT-2 tokenizer was given"),
       "qualification": (qualification_lib.matrix(
           modules or [], qualification_evidence or [])
                         if qualification_evidence is not None else None),
@@ -224,8 +236,18 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
           "qualification_evidence": qualification_evidence,
           "secondary": [list(p) for p in secondary],
           "contrasts": contrasts,
+          "tokenizer_sha256": None if tokenizer is None else tokenizer.sha256,
       },
   }
+
+
+def _pooled_similarity(measured, similar) -> dict:
+  """Attack key -> similarity means over every document of its measured records."""
+  sums = {}
+  for s in measured:
+    key = gates.attack_key(s.record)
+    sums[key] = sums[key] + similar[s.record.run_id] if key in sums else similar[s.record.run_id]
+  return {k: v.means() for k, v in sorted(sums.items())}
 
 
 def _space_json(space):
@@ -247,13 +269,25 @@ def space_from_json(d: dict | None) -> coverage_lib.ThreatSpace | None:
       tuple(tuple(x) for x in d["declared_unmeasured"]))
 
 
+def tokenizer_for(sha256: str | None):
+  """The GPT-2 tokenizer ($LLA_DATA_DIR) a scorecard was built with, checked by hash."""
+  if sha256 is None:
+    return None
+  from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = load_tokenizer()
+  if tokenizer.sha256 != sha256:
+    raise ValueError(f"the tokenizer found ({tokenizer.sha256[:12]}...) is not the one the "
+                     f"scorecard was built with ({sha256[:12]}...)")
+  return tokenizer
+
+
 def build_from_inputs(run_dir: str, inputs: dict,
                       policy: policy_lib.Policy | None = None) -> dict:
   """Rebuilds a scorecard from the "inputs" section of an earlier one."""
   return build(run_dir, policy, space_from_json(inputs.get("threat_space")),
                inputs.get("modules"), inputs.get("qualification_evidence"),
                [tuple(p) for p in inputs.get("secondary", [])],
-               inputs.get("contrasts", True))
+               inputs.get("contrasts", True), tokenizer_for(inputs.get("tokenizer_sha256")))
 
 
 def to_bytes(card: dict) -> bytes:
@@ -336,15 +370,19 @@ def markdown(card: dict) -> str:
                  f"{_pp(pc['max_excess_pp'])} pp, {'ok' if pc['ok'] else 'missing'}")
   out += ["", "## Attacks", "", "| run | status | defense | positions | token "
           "rec. | exact doc | baseline p0 | n | U (Wilson) | excess pp | "
-          "floor pp | FLOPs | wall s |", "|---" * 13 + "|"]
+          "floor pp | ROUGE-L tokens | ROUGE-L text | token-set F1 | FLOPs | wall s |",
+          "|---" * 16 + "|"]
+  if card.get("similarity_note"):
+    out += ["", f"Note: {card['similarity_note']}.", ""]
   for r in card["rows"]:
-    m = r["metrics"]
+    m, sim = r["metrics"], r.get("similarity") or {}
     if m is None:
-      cells = ["unmeasured: " + str(r["error"])] + ["-"] * 6
+      cells = ["unmeasured: " + str(r["error"])] + ["-"] * 9
     else:
       cells = [_pct(m["token_recovery"]), _pct(m["exact_doc_recovery"]),
                _pct(m["baseline_p0"]), str(m["n"]), _pct(m["wilson_upper"]),
-               _pp(m["excess_pp"]), _pp(m["floor_pp"])]
+               _pp(m["excess_pp"]), _pp(m["floor_pp"])] + [
+                   _pct(sim.get(k)) for k in similarity.NAMES]
     flops = "n/a" if r["flops"] is None else f"{r['flops']:.3g} ({r['flops_source']})"
     wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
     out.append(f"| {r['run_id']} | {r['status']} | {r['defense']} | "
@@ -415,8 +453,13 @@ def score_run(run_dir: str, cfg, modules: list[dict] | None = None,
     qualification_evidence: see `qualification.matrix`.
     overwrite: replace an existing scorecard (otherwise FileExistsError).
   """
+  tokenizer = None
+  if cfg.text_rouge:
+    from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+    tokenizer = load_tokenizer()
   card = build(run_dir, policy_lib.load_policy(cfg.policy),
                threat_space_from_config(cfg.threat_space), modules,
-               qualification_evidence, [tuple(p) for p in cfg.secondary])
+               qualification_evidence, [tuple(p) for p in cfg.secondary],
+               tokenizer=tokenizer)
   write(run_dir, card, overwrite)
   return card

@@ -63,9 +63,17 @@ class Target:
     return f"k{self.cut}_{self.knowledge}_m{self.model_seed}"
 
 
-def _phase(name: str) -> None:
+def _phase(workdir: pathlib.Path, name: str) -> None:
+  """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
+  one, or the invocation, does)."""
   logging.info("== phase: %s", name)
   tqdm.write(f"[main_table] phase: {name}")
+  path = workdir / TIMING
+  if path.exists():
+    timing = files.read_json(str(path))
+    timing["invocations"][-1].setdefault("phases", []).append(
+        {"name": name, "started_unix": time.time()})
+    files.atomic_write_json(str(path), timing, overwrite=True)
 
 
 def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path):
@@ -163,14 +171,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
     problems = rundir.verify(str(study))
     if problems:
       raise ValueError(f"{study}: finished study fails verification: " + "; ".join(problems))
-    _phase("report (study already finished and verified)")
+    _phase(workdir, "report (study already finished and verified)")
     return report.render(config, workdir)
 
+  registry.load_plugins(config.plugins)
   _log_invocation(workdir, "started_unix", start)
-  _phase("pretrain / base model")
+  _phase(workdir, "pretrain / base model")
   base, base_source = base_model(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
-  _phase("fine-tune")
+  _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   config_json = json.loads(config.to_json())
   if not study.exists():
@@ -181,22 +190,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   elif files.read_json(str(study / rundir.PROTOCOL)).get("config") != config_json:
     raise ValueError(f"{study}: this workdir was started with a different config; resume it "
                      "with the same config or use a new --workdir")
-  _phase("captures")
+  _phase(workdir, "captures")
   captures = capture_targets(config, workdir, targets, splits)
-  _phase("attacks")
+  _phase(workdir, "attacks")
   attack_targets(config, study, targets, captures, splits.calibration.tokens)
-  _phase("corpus study")
+  _phase(workdir, "corpus study")
   corpus_study(config, workdir, study, base, base_source)
-  _phase("defenses")
+  _phase(workdir, "defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits, base)
-  _phase("decoy-row training split")
+  _phase(workdir, "decoy-row training split")
   decoy_run.run(config.decoy, str(workdir / DECOY))
-  _phase("scoring")
+  _phase(workdir, "scoring")
   # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
   scorecard.score_run(str(study), config.scoring, modules=registry.module_entries(),
                       overwrite=True)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
   _log_invocation(workdir, "finished_unix", time.time())
-  _phase("report")
+  _phase(workdir, "report")
   return report.render(config, workdir)

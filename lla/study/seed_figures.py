@@ -26,3 +26,27 @@ WHY_DIFFERENT = (
     "layers, pre-trained on WebText); the CPU default attacks a small GPT-2 (d = 128, 8 layers) "
     "pre-trained here for minutes on WikiText-2, whose residual stream and embeddings differ, "
     "with fewer models and documents.")
+
+# Published figures of the published attacks, for the report's table beside ours. Each is
+# (value, metric, setting, source); the settings differ from lla's (model, split, data,
+# batch size), so they are context, not targets. From ../shared/notes/published-attacks.md.
+_BISR_TABLE = ("ROUGE-L F", "GPT-2-large, split 6-27, LoRA fine-tuning, 5-dataset average",
+               "Chen et al. CCS'24 (BiSR), SplitLLM collect_big_table.ipynb @ a2ad63c")
+_BATCH_TABLE = ("ROUGE-L F", "GPT-2-large, piqa-mini, batch size 1",
+                "Chen et al. CCS'24 (BiSR), SplitLLM collect_batch_size.ipynb @ a2ad63c")
+PUBLISHED = {
+    "sip": (0.8695, *_BISR_TABLE),
+    "bisr_b": (0.9343, *_BISR_TABLE),
+    "bisr_f": (0.9667, *_BISR_TABLE),
+    "bisr": (0.9679, *_BISR_TABLE),
+    "tag": (0.9643, *_BATCH_TABLE[:1], "GPT-2-large, piqa-mini, batch size 1, 600 steps",
+            _BATCH_TABLE[2]),
+    "eia": (0.5892, *_BATCH_TABLE[:1], "GPT-2-large, piqa-mini, batch size 1, 24,000 steps",
+            _BATCH_TABLE[2]),
+    "sipit": (1.0, "exact match", "GPT-2 hidden states, 'Hello world'",
+              "Nikolaou et al. arXiv 2510.15511 (official tests)"),
+    "activation": (TOKEN_RECOVERY["activation"], "token recovery", "GPT-2 124M, k = 6, public",
+                   "seed protocol, PROTOCOL.md section 8"),
+    "joint": (TOKEN_RECOVERY["joint"], "token recovery", "GPT-2 124M, k = 6, public",
+              "seed protocol, PROTOCOL.md section 8"),
+}
