@@ -94,15 +94,17 @@ def defended_messages(params, cfg: GPT2Config, tokens: jax.Array, k: int, defens
   return wire, g
 
 
-def check_capturable(defense: Defense, secret: Secret | None, training: bool) -> None:
+def check_capturable(defense: Defense, secret: Secret | None, training: bool,
+                     fine_tuned: bool = False) -> None:
   """Raises DefenseError (one line) if `defense` cannot defend a capture of this kind: it
   draws secrets and has none, it acts on the returned gradient of an inference capture, or
-  it acts through fine-tuning (its effect is in the weights, not the messages)."""
+  it acts through fine-tuning (its effect is in the weights, not the messages) and the
+  model was not fine-tuned with it."""
   if defense.off:
     return
   if defense.has_secret and secret is None:
     raise DefenseError(f"defense {defense.name!r} draws secrets: it needs a Secret")
-  if defense.acts_on == "training":
+  if defense.acts_on == "training" and not fine_tuned:
     raise DefenseError(f"defense {defense.name!r} acts through fine-tuning and leaves the "
                        "messages alone: capture a model fine-tuned with it instead")
   if defense.acts_on == "gradients" and not training:
@@ -112,15 +114,16 @@ def check_capturable(defense: Defense, secret: Secret | None, training: bool) ->
 
 def batched_messages(params, cfg: GPT2Config, tokens: np.ndarray, k: int, defense: Defense,
                      secret: Secret | None, batch_size: int, training: bool,
-                     first_step: int = 0):
+                     first_step: int = 0, fine_tuned: bool = False):
   """What crosses the cut for tokens [N, T], one batch of `batch_size` at a time: (h' [N, T,
   d], g' [N, T, d] or None for an inference capture). Batch i uses the secret's keys of
-  step first_step + i, so every batch draws fresh randomness.
+  step first_step + i, so every batch draws fresh randomness. `fine_tuned`: `params` were
+  fine-tuned with the defense in the loop (what a training-time defense needs).
 
   Raises:
     DefenseError: see `check_capturable`.
   """
-  check_capturable(defense, secret, training)
+  check_capturable(defense, secret, training, fine_tuned)
   hs, gs = [], []
   for step, start in enumerate(range(0, tokens.shape[0], batch_size)):
     batch = jnp.asarray(tokens[start:start + batch_size])

@@ -158,7 +158,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
         split_hashes={n: s.sha256 for n, s in splits.items()}, training=True,
         batch_size=batch_size,
         messages=training.batched_messages(t.params, t.cfg, tokens, cut, defense, secret,
-                                           batch_size, training=True, first_step=CAPTURE_STEP),
+                                           batch_size, training=True, first_step=CAPTURE_STEP,
+                                           fine_tuned=fine_tuned),
         defense=name, defense_seed_sha256=record.get("secret_sha256", ""), defense_params=p))
     attacker = target.attacker(splits.calibration.tokens)
     attacks, baselines = fitting_attacks(defense, {"activations", "gradients"},

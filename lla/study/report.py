@@ -262,8 +262,11 @@ def render(config, workdir) -> pathlib.Path:
       "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
       "## Corpus study: ridge inversion alone", "", *corpus_table(card, int(config.corpus_study.cut)), "",
       "## Defense verdicts (scorecard-policy.v3) and utility cost", "",
-      "Defense-unaware attackers (the core attacks run as is on the defended capture); "
-      "each defended record links the undefended run of the same target and attack.", "",
+      "Every registered attack that fits the defended capture (PROTOCOL section 5a: the "
+      "generic attacks on both channels, the defense-aware baselines and the attacks adaptive "
+      "to the mechanism), each linked to the undefended run of its reference attack on the "
+      "same target; `set by` names the attack with the largest excess. A fitting attack not "
+      "measured, or a mechanism no registered attack adapts to, withholds PASS.", "",
       *defense_table(points), "",
       "![frontier](frontier.png) (data: frontier.json)", "",
       "## Decoy-row training split (PROTOCOL section 7)", "",
