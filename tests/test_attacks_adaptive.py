@@ -144,3 +144,27 @@ def test_likelihood_beam_breaks(case, name, params, floor):
   if floor is not None:
     assert adapted >= floor, (adapted, blind)
   assert adapted >= blind + 0.2, (adapted, blind)
+
+
+@pytest.mark.slow
+def test_nopeek_adaptive(case):
+  from configs import finetune as finetune_config
+  from lla.defenses.training import DefendedStepLoss
+  from lla.train import loop
+  params, cal, truth, _ = case
+  optimizer = finetune_config.get_config("tiny").optimizer
+  optimizer.lr = 1e-3
+  train = np.random.default_rng(6).integers(0, CFG.vocab_size, (64, T)).astype(np.int32)
+  victim = loop.train(params, CFG, train, optimizer=optimizer, num_steps=32, batch_size=16,
+                      seed=0, progress=False,
+                      loss_fn=DefendedStepLoss(defenses.make("nopeek", alpha=1.0), K)).params
+  h = np.asarray(split.client(victim, CFG, jnp.asarray(truth), K))
+  defense = {"name": "nopeek", "params": {"alpha": 1.0}}
+  # Public knowledge: the attacker's client is the victim's.
+  ws = Workspace(h, None, victim, CFG, K, cal, defense=defense)
+  adapted, result = recovery(ws, "nopeek_adaptive", truth, nopeek_shadow_steps=4,
+                             nopeek_shadow_lr=1e-3)
+  blind, _ = recovery(ws, "activation", truth)
+  assert adapted >= blind >= 0.5, (adapted, blind)
+  first, last = result.details["shadow_loss_first_last"]
+  assert last < first  # the shadow fine-tune descends its NoPeek objective

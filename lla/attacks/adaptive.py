@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lla.attacks import beam
 from lla.attacks import beam_attacks
 from lla.attacks import candidates as cand_lib
+from lla.attacks import ridge
 from lla.attacks.workspace import Workspace
 from lla.model import split
 
@@ -77,3 +79,29 @@ def client_flops(ws: Workspace, num_rows: int) -> float:
   """Matmul FLOPs of the client on num_rows token positions (full forward)."""
   d = ws.cfg.n_embd
   return 2.0 * num_rows * ws.cut * (12 * d * d + ws.seq_len * d)
+
+
+def attack_through(ws: Workspace, params, num: int, width: int):
+  """The undefended attack on the observed messages with another client (`params`, e.g. a
+  shadow model): a ridge decoder fitted on that client's calibration activations, its
+  candidates, the beam search through it. Returns (predictions [B, T], the best beam's
+  summed squared distance [B], analytic FLOPs); everything metered in the current scope."""
+  h_cal = np.asarray(ws.call(split.client, params, cfg=ws.cfg,
+                             tokens=jnp.asarray(ws.calibration_tokens), k=ws.cut))
+  d = ws.cfg.n_embd
+  ws.count_host(ridge.ridge_flops(ws.calibration_tokens.size, d, d))
+  decoder = ridge.fit_ridge(h_cal, np.asarray(split.wte(params))[ws.calibration_tokens],
+                            ws.ridge_alpha)
+  candidates = ws.map_call(cand_lib.decoded_nearest_tokens, (ws.activations,),
+                           8.0 * ws.seq_len * ws.cfg.vocab_size,
+                           consts=(decoder.weights, decoder.mu_h, decoder.mu_e,
+                                   split.wte(params)), num=num)
+  search = lambda h, c: beam.search(params, ws.cfg, ws.cut, h, c, width, call=ws.call)
+  predictions, scores = ws.map_documents(
+      search, (ws.activations, candidates.astype(np.int32)),
+      beam_attacks.beam_bytes_per_doc(ws, width, num))
+  positions = ws.num_docs * ws.seq_len
+  flops = (client_flops(ws, ws.calibration_tokens.size)
+           + beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len)
+           + cand_lib.candidate_flops(positions, ws.cfg.vocab_size, d))
+  return predictions.astype(np.int32), scores, flops

@@ -204,7 +204,7 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
 
 BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics",
                    "lla.attacks.projection_adaptive", "lla.attacks.mixup_adaptive",
-                   "lla.attacks.likelihood_beam")
+                   "lla.attacks.likelihood_beam", "lla.attacks.nopeek_adaptive")
 
 
 def load_builtin() -> None:
