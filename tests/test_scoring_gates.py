@@ -175,3 +175,31 @@ def test_fitting_follows_observations_knowledge_and_threat_model():
   assert names({"activations"}, "public", "mixup") == ["activation", "aware", "mixup_adaptive"]
   assert names({"activations", "gradients"}, "public", "nopeek") == ["activation", "joint"]
   assert names(None, "trained", "projection") == ["activation", "aware", "joint", "trained_only"]
+
+
+def test_live_registry_pass_needs_every_fitting_attack(tmp_path, cap):
+  """With the real registry's module entries, on a projection-defended training capture:
+  a PASS needs every fitting attack measured, and only projection_adaptive leaking is a
+  FAIL that names it."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  modules = registry.module_entries()
+  fitting = [m["name"] for m in gates.fitting_modules(modules, {"activations", "gradients"},
+                                                     "public", "projection")]
+  assert "projection_adaptive" in fitting and "joint" in fitting
+  assert "mixup_adaptive" not in fitting and "shuffled_gradients" not in fitting
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m)]
+    specs += [syn.Spec(name, "beam_inversion", 12 if name == "projection_adaptive" else 0, m,
+                       defense="projection") for name in fitting]
+  g = _gate(tmp_path, cap, specs, modules)
+  assert g["decision"] == gates.FAIL and g["envelope"]["argmax"] == "projection_adaptive"
+  # Nothing leaks: PASS, but only with every fitting attack measured.
+  clean = [s if s.defense == "none" else dataclasses.replace(s, correct_per_doc=0)
+           for s in specs]
+  g = _gate(tmp_path / "clean", cap, clean, modules)
+  assert g["decision"] == gates.PASS, g["reasons"]
+  without = [s for s in clean if s.attack != "projection_adaptive"]
+  g = _gate(tmp_path / "missing", cap, without, modules)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert any("projection_adaptive (not run)" in r for r in g["reasons"])
