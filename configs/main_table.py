@@ -108,11 +108,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
   # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
   config.defense_cut = 2 if tiny else 6
-  config.defense_docs = 48 if not paper else 256  # Documents per defended capture.
-  config.defense_attacks = ("activation", "joint")
-  # Defense-aware variants (ridge refitted on calibration passed through the mechanism).
-  config.defense_aware_attacks = ("activation_defense_aware", "joint_defense_aware") \
-      if paper else ("activation_defense_aware",)
+  config.defense_docs = 8 if tiny else (256 if paper else 48)  # Documents per defended capture.
+  # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
+  # adaptive attacks on their mechanisms, defense-aware baselines, both channels), except
+  # these; a skipped fitting attack is unmeasured, so its defense cannot PASS.
+  config.defense_skip_attacks = ()
   config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
       ("gaussian", "sigma", (0.3,) if tiny else (0.3, 1.0, 3.0)),
       ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),

@@ -15,21 +15,22 @@ from lla.model.gpt2 import GPT2Config, init_params
 CFG = GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=4, n_head=2)
 K = 2
 SEED = 4242
+SECRET = D.Secret.explicit(SEED)
 
 ACTIVE = {
-    "gaussian": dict(sigma=0.3, clip_norm=5.0, secret_seed=SEED),
+    "gaussian": dict(sigma=0.3, clip_norm=5.0),
     "topk": dict(sparsity=0.75),
     "quantize": dict(bits=3),
-    "mixup": dict(m=3, alpha=1.0, secret_seed=SEED),
-    "projection": dict(kind="haar", secret_seed=SEED),
-    "gradient_clip_noise": dict(clip_norm=1e-3, noise_multiplier=0.35, secret_seed=SEED),
+    "mixup": dict(m=3, alpha=1.0),
+    "projection": dict(kind="haar"),
+    "gradient_clip_noise": dict(clip_norm=1e-3, noise_multiplier=0.35),
     "nopeek": dict(alpha=0.5),
 }
 OFF = {
-    "gaussian": dict(sigma=0.0, secret_seed=SEED), "topk": dict(sparsity=0.0),
-    "quantize": dict(bits=0), "mixup": dict(m=1, secret_seed=SEED),
-    "projection": dict(enabled=False, secret_seed=SEED),
-    "gradient_clip_noise": dict(noise_multiplier=0.0, secret_seed=SEED),
+    "gaussian": dict(sigma=0.0), "topk": dict(sparsity=0.0),
+    "quantize": dict(bits=0), "mixup": dict(m=1),
+    "projection": dict(enabled=False),
+    "gradient_clip_noise": dict(noise_multiplier=0.0),
     "nopeek": dict(alpha=0.0),
 }
 
@@ -52,7 +53,11 @@ def value_and_grad(defense):
   # Not jitted as a whole: the jitted client and server pieces (and their derivatives)
   # are then compiled once and shared by every defense, which keeps the tests fast.
   return jax.value_and_grad(
-      lambda p, x, key: training.defended_loss(p, CFG, x, K, defense, key))
+      lambda p, x, keys: training.defended_loss(p, CFG, x, K, defense, keys))
+
+
+def keys_of(defense, step=0):
+  return SECRET.keys(defense.name, step) if defense.has_secret else None
 
 
 def leaves(tree):
@@ -61,7 +66,8 @@ def leaves(tree):
 
 @pytest.mark.parametrize("name", sorted(ACTIVE))
 def test_defended_loss_differentiates(name, params, tokens):
-  loss, grads = value_and_grad(D.make(name, **ACTIVE[name]))(params, tokens, jax.random.key(2))
+  defense = D.make(name, **ACTIVE[name])
+  loss, grads = value_and_grad(defense)(params, tokens, keys_of(defense, 2))
   assert np.isfinite(float(loss))
   assert all(np.isfinite(g).all() for g in leaves(grads))
   assert any(np.abs(g).max() > 0 for g in leaves(grads))
@@ -70,7 +76,7 @@ def test_defended_loss_differentiates(name, params, tokens):
 @pytest.mark.parametrize("name", sorted(OFF))
 def test_zero_strength_reproduces_the_undefended_step(name, params, tokens):
   defense = D.make(name, **OFF[name])
-  key = jax.random.key(3)
+  key = keys_of(defense, 3)
   loss, grads = value_and_grad(defense)(params, tokens, key)
   ref_loss, ref_grads = jax.value_and_grad(undefended_loss)(params, tokens)
   assert float(loss) == float(ref_loss)
@@ -84,7 +90,7 @@ def test_zero_strength_reproduces_the_undefended_step(name, params, tokens):
 
 def test_gradient_defense_trains_the_client_on_the_defended_gradient(params, tokens):
   defense = D.make("gradient_clip_noise", **ACTIVE["gradient_clip_noise"])
-  key = defense.step_key(0)
+  key = keys_of(defense)
   # Jitted whole, as the fine-tuning loop will run it (the defense a static closure).
   _, grads = jax.jit(value_and_grad(defense))(params, tokens, key)
   # Independently: the server's layers from the exact loss at a fixed h, plus the client's
@@ -105,9 +111,9 @@ def test_gradient_defense_trains_the_client_on_the_defended_gradient(params, tok
 
 def test_mixed_labels_loss(params, tokens):
   defense = D.make("mixup", **ACTIVE["mixup"])
-  key = jax.random.key(5)
+  key = keys_of(defense, 5)
   h = split.client(params, CFG, tokens, K)
-  mixed, lam, partners = defense.mix(h, key)
+  mixed, lam, partners = defense.mix(h, key.step)
   _, logits = split.server_loss(params, CFG, mixed, tokens, K)
   log_probs = np.asarray(jax.nn.log_softmax(logits, -1), np.float64)
   x, lam, partners = np.asarray(tokens), np.asarray(lam, np.float64), np.asarray(partners)
@@ -124,15 +130,15 @@ def test_mixed_labels_loss(params, tokens):
 
 
 def test_projection_and_nopeek_losses(params, tokens):
-  key = jax.random.key(6)
   h = split.client(params, CFG, tokens, K)
   projection = D.make("projection", **ACTIVE["projection"])
-  rotated = jnp.einsum("btd,de->bte", h, projection.matrix(CFG.n_embd))
+  key = keys_of(projection, 6)
+  rotated = jnp.einsum("btd,de->bte", h, projection.matrix(key.persistent, CFG.n_embd))
   np.testing.assert_allclose(
       float(training.defended_loss(params, CFG, tokens, K, projection, key)),
       float(split.server_loss(params, CFG, rotated, tokens, K)[0]), rtol=1e-5)
   nopeek = D.make("nopeek", **ACTIVE["nopeek"])
-  penalty = float(training.defended_loss(params, CFG, tokens, K, nopeek, key)
+  penalty = float(training.defended_loss(params, CFG, tokens, K, nopeek, None)
                   - undefended_loss(params, tokens))
   e = split.wte(params)[tokens].reshape(-1, CFG.n_embd)
   dcor = float(D.distance_correlation(e, h.reshape(-1, CFG.n_embd)))
@@ -141,15 +147,16 @@ def test_projection_and_nopeek_losses(params, tokens):
 
 def test_utility_against_the_undefended_model(params):
   held_out = jax.random.randint(jax.random.key(7), (16, 8), 0, CFG.vocab_size)
-  key = jax.random.key(8)
-  run = functools.partial(utility.heldout_utility, params, CFG, held_out, K, key=key,
+  run = functools.partial(utility.heldout_utility, params, CFG, held_out, K, secret=SECRET,
                           batch_size=8, n_boot=2000, seed=11)
-  off = run(D.make("gaussian", sigma=0.0, secret_seed=SEED))
+  off = run(D.make("gaussian", sigma=0.0))
   assert off["cross_entropy_increase"] == {"value": 0.0, "ci": [0.0, 0.0]}
-  noisy = run(D.make("gaussian", sigma=2.0, secret_seed=SEED))
-  assert noisy == run(D.make("gaussian", sigma=2.0, secret_seed=SEED))  # seeded
-  assert noisy["n_documents"] == 16 and "secret_seed" not in str(noisy["defense"]["params"])
-  per_doc = utility.corpus_cross_entropy(params, CFG, held_out, K, None, key, batch_size=8)
+  noisy = run(D.make("gaussian", sigma=2.0))
+  assert noisy == run(D.make("gaussian", sigma=2.0))  # seeded
+  assert noisy["n_documents"] == 16 and str(SEED) not in str(noisy)
+  assert noisy["defense"]["secret_sha256"] == SECRET.sha256
+  assert noisy["defense"]["secret_source"] == "explicit_seed"
+  per_doc = utility.corpus_cross_entropy(params, CFG, held_out, K, None, None, batch_size=8)
   undefended = noisy["undefended"]["cross_entropy"]
   np.testing.assert_allclose(undefended["value"], per_doc.mean(), rtol=1e-12)
   for summary in (undefended, noisy["cross_entropy_increase"], noisy["perplexity_ratio"]):

@@ -20,11 +20,27 @@ def cap(tmp_path_factory):
   return d
 
 
-def _gate(tmp_path, cap, specs):
+# A registry of three attacks: two generic, one adaptive to mixup.
+MODULES = [
+    {"name": "activation", "family": "beam_inversion", "observations": ["activations"]},
+    {"name": "joint", "family": "beam_inversion",
+     "observations": ["activations", "gradients"]},
+    {"name": "mixup_adaptive", "family": "beam_inversion", "observations": ["activations"],
+     "adapts_to": ["mixup"]},
+]
+
+
+def _gate(tmp_path, cap, specs, modules=None):
   run = str(tmp_path / "run")
   syn.make_run(run, cap, specs, POL.sha256)
-  (g,) = scorecard.build(run, POL)["gates"]
+  (g,) = scorecard.build(run, POL, None, modules)["gates"]
   return g
+
+
+def _covered(m, hits=(0, 0, 0), defense="mixup", **kw):
+  """The defended runs of every attack in MODULES on seed m: hits per document."""
+  return [syn.Spec(name, "beam_inversion", h, m, defense=defense, **kw)
+          for name, h in zip(("activation", "joint", "mixup_adaptive"), hits)]
 
 
 @pytest.mark.parametrize("args,decision", [
@@ -81,9 +97,8 @@ def test_sensitivity_reports_weak_alternative(tmp_path, cap):
   specs = []
   for m in range(3):
     specs += [syn.Spec("activation", "beam_inversion", 30, m),
-              syn.Spec("ridge_like", "beam_inversion", 0, m),
-              syn.Spec("activation", "beam_inversion", 0, m, defense="mixup")]
-  g = _gate(tmp_path, cap, specs)
+              syn.Spec("ridge_like", "beam_inversion", 0, m), *_covered(m)]
+  g = _gate(tmp_path, cap, specs, MODULES)
   assert g["decision"] == gates.PASS
   alts = {a["reference"]: a["decision"] for a in g["sensitivity"]["alternatives"]}
   assert alts == {"activation": gates.PASS, "ridge_like": gates.INSUFFICIENT}
@@ -104,3 +119,87 @@ def test_positive_control_only_counts_measured_families(tmp_path, cap):
   assert set(g["positive_controls"]) == {"beam_inversion"}
   assert any("no positive control" in r for r in g["reasons"])
   assert any("unmeasured" in r for r in g["reasons"])
+
+
+def test_only_the_adaptive_attack_leaks_fail_names_it(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m), *_covered(m, hits=(0, 0, 12))]
+  g = _gate(tmp_path, cap, specs, MODULES)
+  assert g["decision"] == gates.FAIL
+  assert g["envelope"]["argmax"] == "mixup_adaptive"
+  assert "envelope set by mixup_adaptive" in g["reasons"]
+  assert g["fitting"]["adaptive"] == ["mixup_adaptive"]
+  # The same study scored as if the adaptive attack had not been run: no PASS.
+  run = [s for s in specs if s.attack != "mixup_adaptive"]
+  g = _gate(tmp_path / "without", cap, run, MODULES)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert any("PASS withheld: fitting attack(s) unmeasured: mixup_adaptive (not run)" == r
+             for r in g["reasons"])
+
+
+def test_crashed_fitting_attack_withholds_pass(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    covered = _covered(m)
+    covered[2] = dataclasses.replace(covered[2], status="crashed")
+    specs += [syn.Spec("activation", "beam_inversion", 30, m), *covered]
+  g = _gate(tmp_path, cap, specs, MODULES)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert g["fitting"]["unmeasured"] == {"mixup_adaptive": "crashed"}
+
+
+def test_mechanism_without_adaptive_attack_cannot_pass(tmp_path, cap):
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m),
+              *_covered(m, defense="topk")[:2]]
+  g = _gate(tmp_path, cap, specs, MODULES)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert g["fitting"]["fitting"] == ["activation", "joint"]  # mixup_adaptive does not fit
+  assert "PASS withheld: no adaptive attack for this mechanism (topk)" in g["reasons"]
+  # Without module entries nothing says which attacks fit: no PASS either.
+  g = _gate(tmp_path / "none", cap, specs, None)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert any("no attack registry given" in r for r in g["reasons"])
+
+
+def test_fitting_follows_observations_knowledge_and_threat_model():
+  modules = MODULES + [
+      {"name": "control", "observations": ["activations"], "role": "negative_control"},
+      {"name": "active", "observations": ["gradients"], "tier": "active"},
+      {"name": "aware", "observations": ["activations"], "defense_aware": True},
+      {"name": "trained_only", "observations": ["activations"], "knowledge": ["trained"]},
+  ]
+  names = lambda *a: sorted(m["name"] for m in gates.fitting_modules(modules, *a))
+  assert names({"activations"}, "public", "mixup") == ["activation", "aware", "mixup_adaptive"]
+  assert names({"activations", "gradients"}, "public", "nopeek") == ["activation", "joint"]
+  assert names(None, "trained", "projection") == ["activation", "aware", "joint", "trained_only"]
+
+
+def test_live_registry_pass_needs_every_fitting_attack(tmp_path, cap):
+  """With the real registry's module entries, on a projection-defended training capture:
+  a PASS needs every fitting attack measured, and only projection_adaptive leaking is a
+  FAIL that names it."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  modules = registry.module_entries()
+  fitting = [m["name"] for m in gates.fitting_modules(modules, {"activations", "gradients"},
+                                                     "public", "projection")]
+  assert "projection_adaptive" in fitting and "joint" in fitting
+  assert "mixup_adaptive" not in fitting and "shuffled_gradients" not in fitting
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m)]
+    specs += [syn.Spec(name, "beam_inversion", 12 if name == "projection_adaptive" else 0, m,
+                       defense="projection") for name in fitting]
+  g = _gate(tmp_path, cap, specs, modules)
+  assert g["decision"] == gates.FAIL and g["envelope"]["argmax"] == "projection_adaptive"
+  # Nothing leaks: PASS, but only with every fitting attack measured.
+  clean = [s if s.defense == "none" else dataclasses.replace(s, correct_per_doc=0)
+           for s in specs]
+  g = _gate(tmp_path / "clean", cap, clean, modules)
+  assert g["decision"] == gates.PASS, g["reasons"]
+  without = [s for s in clean if s.attack != "projection_adaptive"]
+  g = _gate(tmp_path / "missing", cap, without, modules)
+  assert g["decision"] == gates.INSUFFICIENT
+  assert any("projection_adaptive (not run)" in r for r in g["reasons"])

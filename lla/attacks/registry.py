@@ -220,7 +220,9 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
 
 BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sip",
                    "lla.attacks.bisr_f", "lla.attacks.eia", "lla.attacks.gradmatch",
-                   "lla.attacks.lamp", "lla.decoy.modules", "lla.active.attack")
+                   "lla.attacks.lamp", "lla.attacks.projection_adaptive",
+                   "lla.attacks.mixup_adaptive", "lla.attacks.likelihood_beam",
+                   "lla.attacks.nopeek_adaptive", "lla.decoy.modules", "lla.active.attack")
 
 
 def load_builtin() -> None:

@@ -38,9 +38,10 @@ class GaussianNoise(RowwiseDefense):
   name = "gaussian"
   acts_on = "activations"
 
+  has_secret = True
+
   sigma: float
   clip_norm: float | None = None
-  secret_seed: int = dataclasses.field(repr=False)
 
   def __post_init__(self):
     if self.sigma < 0:
@@ -52,7 +53,8 @@ class GaussianNoise(RowwiseDefense):
   def strength(self) -> float:
     return self.sigma
 
-  def transform_document(self, x, key):
+  def transform_document(self, x, persistent, key):
+    del persistent
     if self.clip_norm is not None:
       x = clip_rows(x, self.clip_norm)
     return x + self.sigma * jax.random.normal(key, x.shape, x.dtype)
@@ -84,8 +86,8 @@ class TopK(RowwiseDefense):
   def kept(self, d: int) -> int:
     return d - math.floor(self.sparsity * d)
 
-  def transform_document(self, x, key):
-    del key
+  def transform_document(self, x, persistent, key):
+    del persistent, key
     _, idx = jax.lax.top_k(jnp.abs(x), self.kept(x.shape[-1]))
     rows = jnp.arange(x.shape[0])[:, None]
     keep = jnp.zeros(x.shape, bool).at[rows, idx].set(True)
@@ -137,8 +139,8 @@ class Quantize(RowwiseDefense):
   def strength(self) -> float:
     return 0.0 if self.bits == 0 else 1.0 / self.bits
 
-  def transform_document(self, x, key):
-    del key
+  def transform_document(self, x, persistent, key):
+    del persistent, key
     return quantize_rows(x, self.bits)
 
 
@@ -158,16 +160,17 @@ class SecretMixup(Defense):
     4. h'_b = sum_j lambda_{b,j} h_{pi_j(b)} (the same mixture at every position t).
   In training the labels are mixed alike: the server loss is
   mean_{b, t < T-1} sum_j lambda_{b,j} CE(logits[b, t], x[pi_j(b), t+1]).
-  Everything is fresh per call (from `key`); the server never sees lambda or pi.
+  Everything is fresh per call (from the step key); the server never sees lambda or pi.
   Requires m <= B.
   """
 
   name = "mixup"
   acts_on = "activations"
 
+  has_secret = True
+
   m: int = 1
   alpha: float = 1.0
-  secret_seed: int = dataclasses.field(repr=False)
 
   def __post_init__(self):
     if self.m < 1:
@@ -195,8 +198,8 @@ class SecretMixup(Defense):
     mixed = jnp.einsum("bj,bjtd->btd", lam, h[partners])
     return mixed, lam, partners
 
-  def transform(self, x, key):
-    return self.mix(x, key)[0]
+  def transform(self, x, keys):
+    return self.mix(x, keys.step)[0]
 
 
 def random_projection(key: jax.Array, d: int, kind: str) -> jax.Array:
@@ -218,18 +221,19 @@ def random_projection(key: jax.Array, d: int, kind: str) -> jax.Array:
 class SecretProjection(RowwiseDefense):
   """h' = h R with a secret d x d matrix R (`random_projection`), fixed for the model's life.
 
-  R depends only on the secret seed, not on the step key, because the server adapts to
-  it: fine-tune with `defended_loss` and the server's blocks k.. learn to read rotated
-  residuals. `matrix(d)` exposes R to the (client-side) training code.
+  R depends only on the persistent key, not on the step key, because the server adapts
+  to it: fine-tune with `defended_loss` and the server's blocks k.. learn to read rotated
+  residuals. `matrix(persistent, d)` is R for the (client-side) training code.
   strength = 1 when enabled, 0 when off (a projection has no partial setting here).
   """
 
   name = "projection"
   acts_on = "activations"
 
+  has_secret = True
+
   kind: str = "haar"
   enabled: bool = True
-  secret_seed: int = dataclasses.field(repr=False)
 
   def __post_init__(self):
     if self.kind not in ("haar", "gaussian"):
@@ -239,10 +243,10 @@ class SecretProjection(RowwiseDefense):
   def strength(self) -> float:
     return 1.0 if self.enabled else 0.0
 
-  def matrix(self, d: int) -> jax.Array:
-    """The secret R [d, d]."""
-    return random_projection(self.secret_key("projection"), d, self.kind)
+  def matrix(self, persistent: jax.Array, d: int) -> jax.Array:
+    """The secret R [d, d] of the persistent key."""
+    return random_projection(persistent, d, self.kind)
 
-  def transform_document(self, x, key):
-    del key
-    return jnp.einsum("td,de->te", x, self.matrix(x.shape[-1]))
+  def transform(self, x, keys):
+    # One R for every document (not vmapped: one QR per call).
+    return jnp.einsum("btd,de->bte", x, self.matrix(keys.persistent, x.shape[-1]))

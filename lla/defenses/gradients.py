@@ -14,7 +14,7 @@ import functools
 import jax
 
 from lla.defenses.activations import clip_rows
-from lla.defenses.base import RowwiseDefense, apply, register
+from lla.defenses.base import RowwiseDefense, SecretKeys, apply, register
 
 
 @register
@@ -29,9 +29,10 @@ class GradientClipNoise(RowwiseDefense):
   name = "gradient_clip_noise"
   acts_on = "gradients"
 
+  has_secret = True
+
   clip_norm: float = 0.01
   noise_multiplier: float = 0.35
-  secret_seed: int = dataclasses.field(repr=False)
 
   def __post_init__(self):
     if self.clip_norm <= 0:
@@ -43,26 +44,27 @@ class GradientClipNoise(RowwiseDefense):
   def strength(self) -> float:
     return self.noise_multiplier
 
-  def transform_document(self, x, key):
+  def transform_document(self, x, persistent, key):
+    del persistent
     std = self.noise_multiplier * self.clip_norm
     return clip_rows(x, self.clip_norm) + std * jax.random.normal(key, x.shape, x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def guard_gradient(defense: GradientClipNoise, h: jax.Array, key: jax.Array) -> jax.Array:
-  """Identity on h [B, T, d] whose cotangent g is replaced by apply(defense, g, key)."""
-  del defense, key
+def guard_gradient(defense: GradientClipNoise, h: jax.Array, keys: SecretKeys) -> jax.Array:
+  """Identity on h [B, T, d] whose cotangent g is replaced by apply(defense, g, keys)."""
+  del defense, keys
   return h
 
 
-def _guard_fwd(defense, h, key):
+def _guard_fwd(defense, h, keys):
   del defense
-  return h, key
+  return h, keys
 
 
-def _guard_bwd(defense, key, g):
-  # The key is a secret input, not a parameter: no cotangent.
-  return apply(defense, g, key), None
+def _guard_bwd(defense, keys, g):
+  # The keys are secret inputs, not parameters: no cotangent.
+  return apply(defense, g, keys), None
 
 
 guard_gradient.defvjp(_guard_fwd, _guard_bwd)

@@ -18,32 +18,36 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lla.defenses.base import Defense, apply
+from lla.defenses.base import Defense, Secret, SecretKeys, apply
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "defense"))
 def document_cross_entropy(params, cfg: GPT2Config, tokens: jax.Array, k: int,
-                           defense: Defense | None, key: jax.Array) -> jax.Array:
+                           defense: Defense | None, keys: SecretKeys | None) -> jax.Array:
   """Per-document mean next-token CE [B] of the split model, tokens [B, T]."""
   h = split.client(params, cfg, tokens, k)
   if defense is not None and defense.acts_on == "activations":
-    h = apply(defense, h, key)
+    h = apply(defense, h, keys)
   _, logits = split.server_loss(params, cfg, h, tokens, k)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
   return ce.mean(axis=1)
 
 
 def corpus_cross_entropy(params, cfg: GPT2Config, tokens, k: int, defense: Defense | None,
-                         key: jax.Array, batch_size: int = 32) -> np.ndarray:
-  """Per-document CE [N] over tokens [N, T] in batches; batch i uses fold_in(key, i).
+                         secret: Secret | None, batch_size: int = 32,
+                         first_step: int = 0) -> np.ndarray:
+  """Per-document CE [N] over tokens [N, T] in batches; batch i uses the secret's keys of
+  step first_step + i.
 
   Mixup mixes within a batch, so every batch needs at least m documents.
   """
   tokens = np.asarray(tokens)
-  out = [document_cross_entropy(params, cfg, jnp.asarray(tokens[i:i + batch_size]), k,
-                                defense, jax.random.fold_in(key, i // batch_size))
+  keyed = defense is not None and defense.has_secret
+  out = [document_cross_entropy(
+      params, cfg, jnp.asarray(tokens[i:i + batch_size]), k, defense,
+      secret.keys(defense.name, first_step + i // batch_size) if keyed else None)
          for i in range(0, len(tokens), batch_size)]
   return np.concatenate([np.asarray(x, np.float64) for x in out])
 
@@ -54,15 +58,19 @@ def _summary(samples: np.ndarray, point: float, level: float) -> dict:
   return {"value": float(point), "ci": [float(lo), float(hi)]}
 
 
-def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense, key: jax.Array,
-                    *, reference_params=None, batch_size: int = 32, n_boot: int = 10_000,
-                    seed: int = 0, level: float = 0.95) -> dict:
+def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense,
+                    secret: Secret | None, *, reference_params=None, batch_size: int = 32,
+                    n_boot: int = 10_000, seed: int = 0, level: float = 0.95,
+                    first_step: int = 1 << 20) -> dict:
   """Held-out CE and perplexity under `defense` against the undefended model.
 
   Args:
     params: the defended target's weights.
     tokens: [N, T] held-out documents.
-    key: key of the inference-time defense randomness (noise, mixup).
+    secret: the defender's secret (noise, mixup and projection draws), or None for a
+      defense without one.
+    first_step: the secret's step of the first held-out batch; far from the steps of
+      training and capture, so that utility draws fresh randomness.
     reference_params: the undefended model's weights; None means the same `params` with
       the defense removed (the pure inference-time cost of a forward defense).
     n_boot, seed, level: percentile bootstrap over documents (numpy PCG64 seeded with
@@ -75,8 +83,9 @@ def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense, k
     settings and the defense's public record.
   """
   reference_params = params if reference_params is None else reference_params
-  defended = corpus_cross_entropy(params, cfg, tokens, k, defense, key, batch_size)
-  reference = corpus_cross_entropy(reference_params, cfg, tokens, k, None, key, batch_size)
+  defended = corpus_cross_entropy(params, cfg, tokens, k, defense, secret, batch_size,
+                                  first_step)
+  reference = corpus_cross_entropy(reference_params, cfg, tokens, k, None, None, batch_size)
   n_docs = len(defended)
   resample = np.random.Generator(np.random.PCG64(seed)).integers(0, n_docs, (n_boot, n_docs))
   boot_defended = defended[resample].mean(axis=1)
@@ -89,7 +98,7 @@ def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense, k
   delta = defended.mean() - reference.mean()
   return {
       "n_documents": n_docs,
-      "defense": defense.to_record(),
+      "defense": defense.to_record(secret),
       "defended": arm(defended, boot_defended),
       "undefended": arm(reference, boot_reference),
       "cross_entropy_increase": _summary(boot_defended - boot_reference, delta, level),

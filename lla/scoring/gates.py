@@ -1,17 +1,26 @@
 """Pooled envelopes and the defense gate: PASS / FAIL / INSUFFICIENT_EVIDENCE.
 
-PROTOCOL.md section 5. Records are grouped into configurations (defense,
+PROTOCOL.md sections 5 and 5a. Records are grouped into configurations (defense,
 defense_params, cut, knowledge, corpus); within a configuration an attack's
 counts are pooled over seeds (n summed) and every seed's own envelope is
 reported. A defended configuration PASSes only if its pooled envelope is
 <= threshold, it has >= min_seeds independent seeds, the floor allows a PASS,
-and a linked undefended reference of a family measured under the defense
-clears the positive-control bar.
+a linked undefended reference of a family measured under the defense clears
+the positive-control bar, and the envelope covers the strongest fitting attack:
+every registered attack (the scorecard's module entries) whose observations,
+knowledge and threat model fit the capture was measured on it, and at least one
+of them adapts to the defense's mechanism. A fitting attack not run or crashed,
+or a mechanism no registered attack adapts to, withholds the PASS (the
+decision is INSUFFICIENT_EVIDENCE, naming them); a FAIL set by the attacks that
+were measured stands, since a missing attack can only raise the envelope.
 """
 
 import dataclasses
 import json
+import os
 
+from lla.evidence import files
+from lla.evidence import rundir
 from lla.scoring import metrics
 from lla.scoring import policy as policy_lib
 from lla.evidence.records import AttackRecord
@@ -20,6 +29,8 @@ PASS = "PASS"
 FAIL = "FAIL"
 INSUFFICIENT = "INSUFFICIENT_EVIDENCE"
 CONFIG_FIELDS = ("defense", "defense_params", "cut", "knowledge", "corpus")
+OBSERVATIONS = ("activations", "gradients")
+NO_ADAPTIVE = "no adaptive attack for this mechanism"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +155,90 @@ def _controls(ref_ids, scored_by_id, families, pol) -> dict:
   return out
 
 
+def observations(run_dir: str, group: list[Scored]) -> frozenset[str] | None:
+  """What every capture of `group` holds, from the records' protocol tuples (O):
+  the intersection over captures; None if a protocol does not say (then every
+  observation is assumed, the conservative choice: more attacks fit)."""
+  held = None
+  for e_hash in sorted({s.record.e_hash for s in group}):
+    path = (os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json")
+            if rundir.is_study(run_dir) else os.path.join(run_dir, rundir.PROTOCOL))
+    o = files.read_json(path).get("O") if os.path.exists(path) else None
+    if not isinstance(o, dict):
+      return None
+    these = frozenset(k for k in OBSERVATIONS if o.get(k))
+    held = these if held is None else held & these
+  return held
+
+
+def _acts_on_activations(defense: str) -> bool:
+  from lla import defenses  # pylint: disable=g-import-not-at-top
+  try:
+    return defenses.get(defense).acts_on == "activations"
+  except defenses.DefenseError:
+    return False
+
+
+def fitting_modules(modules: list[dict], observed, knowledge: str,
+                    defense: str) -> list[dict]:
+  """The module entries whose declared needs and threat model fit a capture
+  (PROTOCOL section 5a; the registry's `fits` on entries): observations held,
+  knowledge allowed, adaptive ones only on the mechanisms they adapt to,
+  defense-aware baselines only where the defense transforms the forward
+  message, passive tier; negative controls are not attacks."""
+  observed = frozenset(OBSERVATIONS if observed is None else observed)
+  out = []
+  for m in modules:
+    needs = m.get("requires", m.get("observations", ()))
+    adapts = m.get("adapts_to") or ()
+    if (m.get("role", "attack") == "negative_control"
+        or m.get("tier", "passive") != "passive"
+        or not set(needs) <= observed
+        or knowledge not in m.get("knowledge", ("public", "trained"))
+        or (adapts and defense not in adapts)
+        or (m.get("defense_aware") and not _acts_on_activations(defense))):
+      continue
+    out.append(m)
+  return out
+
+
+def coverage_flags(group: list[Scored], modules: list[dict] | None,
+                   observed) -> tuple[list[str], dict]:
+  """Why the envelope of a defended group does not yet cover the strongest
+  fitting attack (each withholds a PASS), and the JSON detail."""
+  r0 = group[0].record
+  if modules is None:
+    return (["no attack registry given: the attacks that fit this capture "
+             "are unknown (PROTOCOL section 5a)"],
+            {"fitting": None, "unmeasured": None, "adaptive": None})
+  fitting = fitting_modules(modules, observed, r0.knowledge, r0.defense)
+  adaptive = sorted(m["name"] for m in fitting if m.get("adapts_to"))
+  status = {}
+  for s in group:
+    measured = s.counts is not None
+    status[s.record.attack] = status.get(s.record.attack, False) or measured
+  crashed = {s.record.attack: s.record.status for s in group
+             if s.counts is None}
+  unmeasured = {}
+  for m in fitting:
+    name = m["name"]
+    if not status.get(name):
+      unmeasured[name] = ("not run" if name not in status
+                          else crashed.get(name, "unmeasured"))
+  flags = []
+  if unmeasured:
+    flags.append("fitting attack(s) unmeasured: " + ", ".join(
+        f"{n} ({why})" for n, why in sorted(unmeasured.items())))
+  if not any(m.get("adapts_to") for m in fitting):
+    flags.append(f"{NO_ADAPTIVE} ({r0.defense})")
+  return flags, {"fitting": sorted(m["name"] for m in fitting),
+                 "unmeasured": unmeasured, "adaptive": adaptive,
+                 "observed": None if observed is None else sorted(observed)}
+
+
 def gate(group: list[Scored], everything: list[Scored],
-         pol: policy_lib.Policy, policy_flags=()) -> dict:
+         pol: policy_lib.Policy, policy_flags=(), modules: list[dict] | None = None,
+         observed=None) -> dict:
   """Gate of one defended configuration.
 
   Args:
@@ -153,9 +246,15 @@ def gate(group: list[Scored], everything: list[Scored],
     everything: all records of the run, for reference resolution.
     pol: the policy applied.
     policy_flags: `policy.check` flags; they withhold a PASS.
+    modules: the registered attacks' module entries (lla.attacks.registry
+      `module_entries`); None withholds every PASS (nothing says which attacks
+      fit).
+    observed: the observations the group's captures hold (`observations`);
+      None assumes all of them.
   Returns:
-    A JSON-ready dict: decision, reasons, pooled rows, envelope, floor,
-    per-seed envelopes, links, positive controls, sensitivity.
+    A JSON-ready dict: decision, reasons, pooled rows, envelope (its argmax the
+    attack that set it), floor, per-seed envelopes, fitting attacks, links,
+    positive controls, sensitivity.
   """
   scored_by_id = {s.record.run_id: s for s in everything}
   by_id = {i: s.record for i, s in scored_by_id.items()}
@@ -184,8 +283,13 @@ def gate(group: list[Scored], everything: list[Scored],
   envelope_pp = env["envelope_pp"] if env else None
   floor = env["floor_pp"] if env else None
   n_seeds = min(seeds_per_attack.values(), default=0)
+  fit_flags, fit = coverage_flags(group, modules, observed)
+  withheld = list(policy_flags) + fit_flags
   decision, reasons = decide(envelope_pp, floor, n_seeds, has_control, pol,
-                             policy_flags)
+                             withheld)
+  reasons += [f for f in fit_flags if f"PASS withheld: {f}" not in reasons]
+  if env is not None:
+    reasons.append(f"envelope set by {env['argmax']}")
   unmeasured = [{"run_id": s.record.run_id, "status": s.record.status,
                  "error": s.record.error} for s in group if s.counts is None]
   if unmeasured:
@@ -193,7 +297,7 @@ def gate(group: list[Scored], everything: list[Scored],
                    "skipped): the envelope covers only the attacks run")
   sensitivity = _sensitivity(measured, undefended, scored_by_id, families,
                              envelope_pp, floor, n_seeds, decision, pol,
-                             policy_flags)
+                             withheld)
   r0 = group[0].record
   return {
       "config": {f: getattr(r0, f) for f in CONFIG_FIELDS},
@@ -201,7 +305,7 @@ def gate(group: list[Scored], everything: list[Scored],
       "seeds": seeds, "seeds_per_attack": seeds_per_attack,
       "n_seeds": n_seeds,
       "pooled": rows, "envelope": env, "per_seed": per_seed,
-      "unmeasured": unmeasured, "links": links,
+      "unmeasured": unmeasured, "fitting": fit, "links": links,
       "positive_controls": controls, "sensitivity": sensitivity,
   }
 

@@ -208,7 +208,8 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
                       "unmeasured": sorted(s.record.run_id for s in g
                                            if s.counts is None)})
     else:
-      gate_list.append(gates.gate(g, scored, pol, flags))
+      gate_list.append(gates.gate(g, scored, pol, flags, modules,
+                                  gates.observations(run_dir, g)))
   known = [r for r in (s.record for s in scored) if r.flops is not None]
   cov = (coverage_lib.report(records, threat_space, modules or [],
                              pol.seed_fields, pol.min_seeds)

@@ -44,6 +44,9 @@ MODULES = [
      "observations": ["activations"]},
     {"name": "joint", "family": "beam_inversion",
      "observations": ["activations", "gradients"]},
+    # PROTOCOL section 5a: a defense PASSes only against an attack adapted to it.
+    {"name": "mixup_adaptive", "family": "beam_inversion",
+     "observations": ["activations"], "adapts_to": [DEFENSE]},
 ]
 
 
@@ -71,6 +74,8 @@ def standard_specs(seeds=(0, 1, 2), undefended=(30, 31),
             syn.Spec("activation", "beam_inversion", defended[0], m,
                      defense=DEFENSE),
             syn.Spec("joint", "beam_inversion", defended[1], m,
+                     defense=DEFENSE),
+            syn.Spec("mixup_adaptive", "beam_inversion", 0, m,
                      defense=DEFENSE)]
   return out
 
@@ -280,7 +285,7 @@ def cases() -> list[Case]:
       Case("extra file -> verify names it", fi, "manifest.sha256: extra: "
            "notes.txt", lambda c: _extra_file(c)),
       Case("crashed module -> unmeasured cell, no metrics, not in the envelope",
-           fi, ("unmeasured", None, ["activation"]),
+           fi, ("unmeasured", None, ["activation", "mixup_adaptive"]),
            lambda c: _crashed(c)),
       Case("defense without a positive control (reference at 0 hits) -> "
            "INSUFFICIENT_EVIDENCE", fi, gates.INSUFFICIENT,
@@ -514,8 +519,8 @@ def _defended_reference(c):
            for s in standard_specs()]
   specs = [dataclasses.replace(s, reference=(
       f"k6/public/{DEFENSE}/m{s.model_seed}/s0/activation"))
-           if s.defense == DEFENSE and s.attack == "joint" else s
-           for s in specs]
+           if s.defense == DEFENSE and s.attack in ("joint", "mixup_adaptive")
+           else s for s in specs]
   g = c.gate(c.run("defref", specs))
   return g["decision"], any("is defended" in p for l in g["links"]
                             for p in l["problems"])
@@ -575,15 +580,16 @@ def _model_relabel(c) -> bool:
 def _weak_explicit_reference(c):
   """Undefended 'activation' at 0 hits (weak) and 'joint' at 31 (strong).
 
-  The defended runs link explicitly to the weak activation reference only,
-  and joint is not run under the defense, so only the weak reference counts.
+  Every defended run (each fitting attack) links explicitly to the weak
+  activation reference only, so only the weak reference counts.
   """
   specs = []
   for m in (0, 1, 2):
     specs += [syn.Spec("activation", "beam_inversion", 0, m),
-              syn.Spec("joint", "beam_inversion", 31, m),
-              syn.Spec("activation", "beam_inversion", 0, m, defense=DEFENSE,
-                       reference=f"k6/public/none/m{m}/s0/activation")]
+              syn.Spec("joint", "beam_inversion", 31, m)]
+    specs += [syn.Spec(a, "beam_inversion", 0, m, defense=DEFENSE,
+                       reference=f"k6/public/none/m{m}/s0/activation")
+              for a in ("activation", "joint", "mixup_adaptive")]
   g = c.gate(c.run("weakexplicit", specs))
   return g["decision"], g["sensitivity"]["decision_changes"]
 

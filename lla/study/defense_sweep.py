@@ -1,53 +1,71 @@
-"""Defenses in the main job: defended captures, linked references, utility cost, frontier.
+"""Defenses in the main job: defended captures, every fitting attack, utility cost, frontier.
 
 Each defense configuration (name, parameter, strength) is applied to every public target at
-the defense cut (one per model seed, the gate's independent seeds); defenses named in
-`config.defense_finetune` are first kept in the loop while that target is fine-tuned again
-from the base (same seed and data), so that the server adapts. The defended capture
-stores what crossed the cut, h' and g' = dL/dh' (PROTOCOL section 1 with the defense in
-the loop), and each attack's record links the undefended run of the same target and
-attack as its positive control. The utility cost is the held-out cross-entropy under the
-defense against the same weights undefended, with a bootstrap interval over documents.
+the defense cut (one per model seed, the gate's independent seeds). Each (configuration,
+seed) is one defended target with its own secret, 128 bits drawn from the OS the first time
+it is needed and kept only in the defender's key store `workdir/defender/secrets.json`
+(outside the captures and the study, which record its hash alone; the store lets an
+interrupted job resume with the same secret). Defenses named in `config.defense_finetune`
+are first kept in the loop while that target is fine-tuned again from the base (same seed
+and data), so that the server adapts; a defense on the returned gradient or on the training
+objective also trains the client layers, where its effect lands.
+
+The defended capture stores what crossed the cut, h' and g' = dL/dh' (PROTOCOL section 1
+with the defense in the loop), in batches of `capture_batch_size`. On it runs every
+registered attack that fits it (PROTOCOL section 5a: its observations, knowledge and
+threat model; adaptive attacks on the mechanisms they adapt to; defense-aware baselines
+with the attacker's own randomness), and each record links the undefended run of the same
+target and reference attack as its positive control. The utility cost is the held-out
+cross-entropy under the defense against the undefended model of the same seed; a defense
+that trains the client layers is compared with the undefended fine-tune that trains them
+too, so that its cost is the defense's alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import pathlib
 
-import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from tqdm import tqdm
 
 from lla import defenses
-from lla.attacks import memory, replay
+from lla.attacks import budget as budget_lib
+from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
 from lla.defenses import aware, training, utility
 from lla.evidence import files
 from lla.train import finetune as finetune_lib
 
 UTILITY_FILE = "defense_utility.json"
+KEY_STORE = pathlib.Path("defender") / "secrets.json"
+# Step offsets of the secret's per-step keys: training uses steps 0.., so that capture and
+# utility draw randomness of their own.
+CAPTURE_STEP, UTILITY_STEP = 1 << 24, 1 << 20
 
 
-def secret_seed(name: str, strength, model_seed: int) -> int:
-  """The defender's secret seed: derived, never recorded (only its hash is)."""
-  digest = hashlib.sha256(f"lla-defense/{name}/{strength}/{model_seed}".encode()).digest()
-  return int.from_bytes(digest[:8], "little")
+def trains_client(defense: defenses.Defense) -> bool:
+  """Whether the defended fine-tune must train the client layers: a defense on the returned
+  gradient or on the training objective acts only through them."""
+  return defense.acts_on in ("gradients", "training")
 
 
-def defended_messages(params, cfg, tokens: np.ndarray, cut: int, defense, batch_size: int):
-  """(h', g') one training batch at a time; each batch draws fresh defense randomness."""
-  hs, gs = [], []
-  for step, start in enumerate(range(0, tokens.shape[0], batch_size)):
-    batch = jnp.asarray(tokens[start:start + batch_size])
-    key = defense.step_key(step) if defense.has_secret else None
-    h, g = training.defended_messages(params, cfg, batch, cut, defense, key)
-    hs.append(np.asarray(h, np.float32))
-    gs.append(np.asarray(g, np.float32))
-  return np.concatenate(hs), np.concatenate(gs)
+class KeyStore:
+  """The defenders' secrets of one main job, by defended target: drawn once from the OS,
+  then reused on resume. Lives outside the captures and the study (file mode 0600)."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._values = files.read_json(str(path)) if path.exists() else {}
+
+  def secret(self, target: str) -> defenses.Secret:
+    if target not in self._values:
+      drawn = defenses.Secret.draw()
+      self._values[target] = str(drawn.reveal())
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      files.atomic_write_json(str(self.path), self._values, overwrite=True)
+      return drawn
+    return defenses.Secret(int(self._values[target]), "os_random_128")
 
 
 def configurations(config) -> list[tuple[str, str, float]]:
@@ -55,17 +73,52 @@ def configurations(config) -> list[tuple[str, str, float]]:
           for strength in strengths]
 
 
-def defended_target(config, workdir: pathlib.Path, target, defense, label: str, splits, base):
-  """The target fine-tuned from the base with `defense` in the loop (same seed and data as
-  the undefended target), so that the server adapts to the mechanism; a training-time
-  defense (NoPeek) also trains the client layers it regularises."""
+def fitting_attacks(defense: defenses.Defense, observed, knowledge: str,
+                    skip=()) -> tuple[list[str], list[str]]:
+  """(attacks, defense-aware baselines) of the registry that fit a capture defended by
+  `defense` with observations `observed` (PROTOCOL section 5a); negative controls and
+  active attacks (which need a capture the server wrote) excluded, and `skip`."""
+  plain, mimic = [], []
+  for spec in registry.specs():
+    if (spec.role == "negative_control" or spec.tier != "passive" or spec.name in skip
+        or not registry.fits(spec, observed, knowledge, defense.name)):
+      continue
+    if spec.defense_aware:
+      if defense.acts_on == "activations":
+        mimic.append(spec.name)
+    else:
+      plain.append(spec.name)
+  return plain, mimic
+
+
+def _finetune_config(config, cut: int, train_client_layers: bool) -> ml_collections.ConfigDict:
   ft = ml_collections.ConfigDict(config.finetune.to_dict())
-  ft.k, ft.data = target.cut, config.data
-  ft.train_client_layers = defense.acts_on == "training"
+  ft.k, ft.train_client_layers, ft.data = cut, train_client_layers, config.data
+  return ft
+
+
+def trained_reference(config, workdir: pathlib.Path, target, splits, base):
+  """The undefended fine-tune of `target`'s seed with trainable client layers: the main
+  job's (cut, trained) model, same configuration and cache."""
+  ft = _finetune_config(config, target.cut, True)
+  checkpoints = finetune_lib.finetune(ft, workdir / "finetune" / f"k{target.cut}_trained",
+                                      splits=splits, base=base)
+  by_seed = dict(zip(finetune_lib.seeds(ft), checkpoints))
+  if target.model_seed not in by_seed:
+    raise ValueError(f"model seed {target.model_seed} is not among the fine-tuned seeds "
+                     f"{sorted(by_seed)}")
+  return by_seed[target.model_seed].params
+
+
+def defended_target(config, workdir: pathlib.Path, target, defense, secret, label: str,
+                    splits, base):
+  """The target fine-tuned from the base with `defense` in the loop (same seed and data as
+  the undefended target), so that the server adapts to the mechanism."""
+  ft = _finetune_config(config, target.cut, trains_client(defense))
   ft.num_models, ft.first_seed = 1, target.model_seed
   checkpoint, = finetune_lib.finetune(
       ft, workdir / "finetune" / f"def_{label}_m{target.model_seed}", splits=splits, base=base,
-      defense=defense)
+      defense=defense, secret=secret)
   # Public knowledge: the attacker holds the defended target's exact client layers.
   return dataclasses.replace(target, params=checkpoint.params, model_id=checkpoint.sha256,
                              attacker_params=checkpoint.params,
@@ -76,53 +129,64 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
         splits, base) -> dict:
   """Runs every defense configuration; returns {"label/m<seed>": utility cost}."""
   cut = int(config.defense_cut)
+  batch_size = int(config.capture_batch_size)
   public = [t for t in targets if t.cut == cut and t.knowledge == "public"]
   tokens = splits.evaluation.tokens[:int(config.defense_docs)]
   ids = splits.evaluation.document_ids[:int(config.defense_docs)]
   utility_path = workdir / UTILITY_FILE
   costs = files.read_json(str(utility_path)) if utility_path.exists() else {}
+  keys = KeyStore(workdir / KEY_STORE)
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), undefended in tqdm(jobs, desc="defenses", unit="capture"):
     label = f"{name}_{param}{strength}"
-    secret = {"secret_seed": secret_seed(name, strength, undefended.model_seed)} if any(
-        f.name == "secret_seed" for f in dataclasses.fields(defenses.get(name))) else {}
-    defense = defenses.make(name, **{param: strength}, **secret)
-    record = defense.to_record()
+    defense = defenses.make(name, **{param: strength})
+    secret = keys.secret(f"{label}/m{undefended.model_seed}") if defense.has_secret else None
+    record = defense.to_record(secret)
     target = undefended
-    if name in config.defense_finetune:
-      target = defended_target(config, workdir, undefended, defense, label, splits, base)
+    fine_tuned = name in config.defense_finetune
+    if fine_tuned:
+      target = defended_target(config, workdir, undefended, defense, secret, label, splits,
+                               base)
     directory = captures / f"def_{label}_m{target.model_seed}"
-    store.reuse_or_write(directory, lambda d, t=target, dfn=defense, r=record: capture.capture_target(
+    public_params = {**record["params"], "strength": record["strength"], "label": label,
+                     "fine_tuned_with_defense": fine_tuned,
+                     "client_layers_trained": fine_tuned and trains_client(defense)}
+    if secret is not None:
+      public_params["secret_source"] = secret.source
+    store.reuse_or_write(directory, lambda d, t=target, p=public_params: capture.capture_target(
         d, t.params, t.cfg, tokens, ids, cut, model_id=t.model_id, corpus=splits.corpus,
-        split_hashes={n: p.sha256 for n, p in splits.items()}, training=True,
-        messages=defended_messages(t.params, t.cfg, tokens, cut, dfn,
-                                   int(config.capture_batch_size)),
-        defense=name, defense_seed_sha256=r.get("secret_seed_sha256", ""),
-        defense_params={**r["params"], "strength": r["strength"], "label": label,
-                        "fine_tuned_with_defense": name in config.defense_finetune}))
+        split_hashes={n: s.sha256 for n, s in splits.items()}, training=True,
+        batch_size=batch_size,
+        messages=training.batched_messages(t.params, t.cfg, tokens, cut, defense, secret,
+                                           batch_size, training=True, first_step=CAPTURE_STEP,
+                                           fine_tuned=fine_tuned),
+        defense=name, defense_seed_sha256=record.get("secret_sha256", ""), defense_params=p))
     attacker = target.attacker(splits.calibration.tokens)
-    mimic = {"name": name, "params": record["params"],
-             "attacker_seed": secret_seed("attacker/" + name, strength, target.model_seed)}
-    aware_too = bool(config.defense_aware_attacks) and \
-        aware.calibration_transform(**mimic) is not None
+    attacks, baselines = fitting_attacks(defense, {"activations", "gradients"},
+                                         target.knowledge, tuple(config.defense_skip_attacks))
     for seed in config.attack_seeds:
       common = dict(run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",
                     reference_prefix=f"{undefended.name}/s{seed}/", model_seed=target.model_seed,
                     memory_budget_bytes=memory.chunk_budget_bytes(
                         int(config.memory_budget_mb) << 20)[0])
-      replay.replay(str(study), str(directory), attacker, list(config.defense_attacks),
-                    config.budget, int(seed), **common)
-      if aware_too:
-        replay.replay(str(study), str(directory), attacker, list(config.defense_aware_attacks),
-                      config.budget, int(seed), calibration_defense=mimic, **common)
+      replay.replay(str(study), str(directory), attacker, attacks,
+                    budget_lib.relevant(config.budget, attacks), int(seed), **common)
+      if baselines:
+        # The attacker's own randomness: its attack seed, recorded in E.K.
+        mimic = {"name": name, "params": record["params"], "attacker_seed": int(seed)}
+        replay.replay(str(study), str(directory), attacker, baselines,
+                      budget_lib.relevant(config.budget, baselines), int(seed),
+                      calibration_defense=mimic, **common)
     key = f"{label}/m{target.model_seed}"
     if key not in costs:
-      # Against the undefended target of the same seed: the defense's whole utility cost,
-      # its fine-tuning included.
+      # Against the undefended model of the same seed (its fine-tune training the client
+      # layers too where the defended one does): the defense's whole utility cost.
+      reference = (trained_reference(config, workdir, undefended, splits, base)
+                   if fine_tuned and trains_client(defense) else undefended.params)
       costs[key] = {"defense": name, "param": param, "strength": strength,
                     "model_seed": target.model_seed,
                     **utility.heldout_utility(target.params, target.cfg, tokens, cut, defense,
-                                              jax.random.key(target.model_seed),
-                                              reference_params=undefended.params, n_boot=2000)}
+                                              secret, reference_params=reference,
+                                              first_step=UTILITY_STEP, n_boot=2000)}
       files.atomic_write_json(str(utility_path), costs, overwrite=True)
   return costs

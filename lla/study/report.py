@@ -190,6 +190,7 @@ def _defense_points(card: dict, utility: dict) -> list[dict]:
         "strength": params.get("strength"), "decision": gate["decision"],
         "reasons": gate["reasons"], "n_seeds": gate["n_seeds"],
         "envelope_pp": (gate["envelope"] or {}).get("envelope_pp"),
+        "envelope_by": (gate["envelope"] or {}).get("argmax"),
         "floor_pp": (gate["envelope"] or {}).get("floor_pp"),
         "exact_doc": max((m["exact_doc_recovery"] for m in pooled), default=None),
         "token": max((m["token_recovery"] for m in pooled), default=None),
@@ -200,13 +201,14 @@ def _defense_points(card: dict, utility: dict) -> list[dict]:
 
 
 def defense_table(points: list[dict]) -> list[str]:
-  lines = ["| defense | strength | decision | envelope pp | floor pp | best token rec. | "
+  lines = ["| defense | strength | decision | envelope pp | set by | floor pp | best token rec. | "
            "best exact doc | CE increase (nats, mean over seeds) | seeds | reasons |",
-           "|" + "---|" * 10]
+           "|" + "---|" * 11]
   for p in points:
     ce = "—" if p["ce_increase"] is None else f"{p['ce_increase']:+.4f}"
     lines.append(f"| {p['label']} | {p['strength']} | **{p['decision']}** | "
-                 f"{_pp(p['envelope_pp'])} | {_pp(p['floor_pp'])} | {_pct(p['token'])} | "
+                 f"{_pp(p['envelope_pp'])} | {p['envelope_by'] or '—'} | {_pp(p['floor_pp'])} | "
+                 f"{_pct(p['token'])} | "
                  f"{_pct(p['exact_doc'])} | {ce} | {p['n_seeds']} | "
                  f"{'; '.join(p['reasons'])} |")
   return lines
@@ -311,8 +313,11 @@ def render(config, workdir) -> pathlib.Path:
       "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
       "## Corpus study: ridge inversion alone", "", *corpus_table(card, int(config.corpus_study.cut)), "",
       "## Defense verdicts (scorecard-policy.v3) and utility cost", "",
-      "Defense-unaware attackers (the core attacks run as is on the defended capture); "
-      "each defended record links the undefended run of the same target and attack.", "",
+      "Every registered attack that fits the defended capture (PROTOCOL section 5a: the "
+      "generic attacks on both channels, the defense-aware baselines and the attacks adaptive "
+      "to the mechanism), each linked to the undefended run of its reference attack on the "
+      "same target; `set by` names the attack with the largest excess. A fitting attack not "
+      "measured, or a mechanism no registered attack adapts to, withholds PASS.", "",
       *defense_table(points), "",
       "![frontier](frontier.png) (data: frontier.json)", "",
       "## Decoy-row training split (PROTOCOL section 7)", "",

@@ -50,7 +50,7 @@ def num_steps(config: ml_collections.ConfigDict, n_train: int) -> int:
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
              splits: data.Splits | None = None,
              base: tuple[dict, object, dict] | None = None,
-             defense=None) -> list[ckpt.Checkpoint]:
+             defense=None, secret=None) -> list[ckpt.Checkpoint]:
   """Fine-tunes (or reuses) one model per seed; returns their checkpoints in seed order.
 
   Args:
@@ -61,16 +61,21 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     defense: an `lla.defenses` defense kept in the loop while fine-tuning (its mechanism
       on h, mixed labels, clipped gradients or the NoPeek term); recorded by its public
       description only.
+    secret: the defense's `lla.defenses.Secret` (its hash is recorded), for a defense that
+      draws secrets.
 
   Raises:
     ValueError: a cached seed was made with a different config or base.
   """
   run_config = json_config(config)
-  loss_fn = loop.lm_step_loss
+  loss_fn, loss_inputs = loop.lm_step_loss, None
   if defense is not None:
     from lla.defenses.training import DefendedStepLoss  # Only defended fine-tunes need it.
-    run_config = {**run_config, "defense": defense.to_record()}
+    if defense.has_secret and secret is None:
+      raise ValueError(f"defense {defense.name!r} draws secrets: pass its Secret")
+    run_config = {**run_config, "defense": defense.to_record(secret)}
     loss_fn = DefendedStepLoss(defense, int(config.k))
+    loss_inputs = secret.root_keys(defense.name) if defense.has_secret else None
   if splits is None:
     splits = data.load_splits_from_config(config.data)
   params, cfg, provenance = models.load_base(config.model) if base is None else base
@@ -87,7 +92,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       result = loop.train(params, cfg, tokens, optimizer=config.optimizer, num_steps=steps,
                           batch_size=config.batch_size, seed=seed, trainable=trainable,
                           log_every=config.log_every, desc=f"finetune seed {seed}",
-                          loss_fn=loss_fn)
+                          loss_fn=loss_fn, loss_inputs=loss_inputs)
       held_out = loop.evaluate(result.params, cfg, splits.evaluation.tokens,
                                config.eval_batch_size)
       logging.info("seed %d: held-out CE %.4f -> %.4f", seed, base_eval["ce"], held_out["ce"])

@@ -100,25 +100,29 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   return optax.multi_transform({_TRAIN: adamw, _FREEZE: optax.set_to_zero()}, labels)
 
 
-def lm_step_loss(params, cfg: GPT2Config, tokens: jax.Array, step: jax.Array) -> jax.Array:
-  """The undefended loss; `step` (for per-step randomness of other losses) is unused."""
-  del step
+def lm_step_loss(params, cfg: GPT2Config, tokens: jax.Array, step: jax.Array,
+                 loss_inputs=None) -> jax.Array:
+  """The undefended loss; `step` and `loss_inputs` (for per-step randomness and secrets of
+  other losses) are unused."""
+  del step, loss_inputs
   return split.lm_loss(params, cfg, tokens)
 
 
 def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
                     trainable=None, loss_fn: Callable = lm_step_loss) -> Callable:
-  """A jitted `(params, opt_state, tokens [B, T], step) -> (params, opt_state, loss)`.
+  """A jitted `(params, opt_state, tokens [B, T], step, loss_inputs) -> (params, opt_state,
+  loss)`.
 
-  `loss_fn(params, cfg, tokens, step)` is the objective (a defense in the loop draws its
-  step's randomness from `step`). Frozen leaves are returned as the input arrays themselves
+  `loss_fn(params, cfg, tokens, step, loss_inputs)` is the objective (a defense in the loop
+  draws its step's randomness from `step` and its secret from the traced `loss_inputs`, so
+  one compiled step serves every secret). Frozen leaves are returned as the input arrays themselves
   rather than `p + 0`, which would turn -0.0 into +0.0.
   """
   keep = None if trainable is None else jax.tree.leaves(trainable)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, tokens, step_index):
-    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, step_index)
+  def step(params, opt_state, tokens, step_index, loss_inputs):
+    loss, grads = jax.value_and_grad(loss_fn)(params, cfg, tokens, step_index, loss_inputs)
     updates, opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if keep is not None:
@@ -167,7 +171,7 @@ class TrainResult:
 def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collections.ConfigDict,
           num_steps: int, batch_size: int, seed: int, trainable=None, log_every: int = 50,
           progress: bool = True, desc: str = "train",
-          loss_fn: Callable = lm_step_loss) -> TrainResult:
+          loss_fn: Callable = lm_step_loss, loss_inputs=None) -> TrainResult:
   """Trains `params` for `num_steps` AdamW steps on seeded batches of `tokens`.
 
   Args:
@@ -182,8 +186,10 @@ def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collecti
     log_every: steps between logged mean losses (the last step is always logged).
     progress: show a tqdm bar.
     desc: label of the bar and log lines.
-    loss_fn: `(params, cfg, tokens, step) -> scalar`; hashable (a module-level function or
-      a dataclass), since compiled steps are cached per loss.
+    loss_fn: `(params, cfg, tokens, step, loss_inputs) -> scalar`; hashable (a module-level
+      function or a dataclass), since compiled steps are cached per loss.
+    loss_inputs: a pytree of arrays the loss reads as traced data (a defense's secret
+      keys), or None.
   """
   treedef = jax.tree.structure(params)
   tx, step_fn = _cached_optimizer_and_step(
@@ -198,7 +204,7 @@ def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collecti
   data = batches(np.asarray(tokens, np.int32), batch_size, seed)
   bar = tqdm.trange(num_steps, desc=desc, disable=not progress)
   for i in bar:
-    params, opt_state, loss = step_fn(params, opt_state, next(data), np.int32(i))
+    params, opt_state, loss = step_fn(params, opt_state, next(data), np.int32(i), loss_inputs)
     pending.append(loss)
     if (i + 1) % log_every == 0 or i + 1 == num_steps:
       mean = float(np.mean(jax.device_get(pending)))

@@ -1,0 +1,123 @@
+"""Benchmark: an adaptive attack against `activation` on the undefended capture, random weights.
+
+A random-weight GPT-2 (no language prior to lean on) of the chosen shape, cut k, B WikiText-2
+evaluation documents of T tokens and N calibration documents. The clean messages h are
+computed once; the defense (with a secret drawn from the OS that the attack never sees)
+makes the defended messages. Reports token recovery, exact documents, FLOPs (XLA cost
+analysis) and wall time of `activation` on h, of `activation` on the defended messages,
+and of the adaptive attack on them; the ratio adaptive / undefended is the figure of
+PROTOCOL section 5a's must-show.
+
+  python -m experiments.bench_adaptive --model=small --out_json=/tmp/small.json
+  nice -n 10 python -m experiments.bench_adaptive --model=gpt2_124m --docs=64 --cut=6 \
+      --out_json=/tmp/gpt2.json
+
+Needs LLA_DATA_DIR (WikiText-2 and the GPT-2 tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lla import data, defenses
+from lla.attacks import budget as budget_lib
+from lla.attacks import registry
+from lla.attacks.workspace import Workspace
+from lla.model import split
+from lla.model.gpt2 import GPT2Config, init_params
+
+SHAPES = {
+    "small": dict(n_layer=4, n_embd=64, n_head=4),
+    "gpt2_124m": dict(n_layer=12, n_embd=768, n_head=12),
+}
+_MODEL = flags.DEFINE_enum("model", "small", sorted(SHAPES), "Architecture (random weights).")
+_DOCS = flags.DEFINE_integer("docs", 32, "Evaluation documents B.")
+_CALIBRATION = flags.DEFINE_integer("calibration", 32, "Calibration documents N.")
+_CUT = flags.DEFINE_integer("cut", 2, "Cut k.")
+_DEFENSE = flags.DEFINE_string("defense", "projection", "Registered defense.")
+_PARAMS = flags.DEFINE_string("params", "kind=haar", "Its public parameters: name=value,...")
+_ATTACK = flags.DEFINE_string("attack", "projection_adaptive", "The adaptive attack.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights (and the attacks' keys).")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
+
+
+def random_params(cfg: GPT2Config, seed: int) -> dict:
+  """GPT-2 initialisation (normal 0.02, wpe 0.01, LayerNorm 1/0), drawn with numpy (as
+  experiments/bench_attacks.py draws it)."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = path[-1].key
+    if name == "scale":
+      return jnp.ones(leaf.shape, jnp.float32)
+    if name == "bias":
+      return jnp.zeros(leaf.shape, jnp.float32)
+    std = 0.01 if path[0].key == "wpe" else 0.02
+    return jnp.asarray(std * rng.standard_normal(leaf.shape, dtype=np.float32))
+
+  shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _parse(text: str, name: str) -> dict:
+  declared = defenses.declared(name)
+  out = {}
+  for item in filter(None, (p.strip() for p in text.split(","))):
+    key, _, value = item.partition("=")
+    kind = declared.get(key, str)
+    out[key] = (value == "True") if kind is bool else kind(value)
+  return out
+
+
+def _run(ws: Workspace, name: str, truth: np.ndarray) -> dict:
+  start = time.perf_counter()
+  result, charge = registry.execute(name, ws, budget_lib.defaults(), jax.random.key(_SEED.value))
+  hits = result.predictions == truth
+  return {"attack": name, "token_recovery": float(hits.mean()),
+          "exact_documents": float(hits.all(1).mean()), "flops": charge.flops,
+          "flops_source": charge.flops_source, "wall_s": time.perf_counter() - start,
+          "compile_s": charge.compile_s,
+          "details": {k: v for k, v in result.details.items() if k != "refits"}}
+
+
+def main(argv):
+  del argv
+  cfg = GPT2Config(vocab_size=50257, n_positions=32, **SHAPES[_MODEL.value])
+  params = random_params(cfg, _SEED.value)
+  splits = data.load_splits(n_eval=_DOCS.value, n_calibration=_CALIBRATION.value)
+  truth = splits.evaluation.tokens.astype(np.int32)
+  k = _CUT.value
+  h = np.asarray(split.client(params, cfg, jnp.asarray(truth), k))
+  defense = defenses.make(_DEFENSE.value, **_parse(_PARAMS.value, _DEFENSE.value))
+  secret = defenses.Secret.draw()
+  defended = np.asarray(defenses.apply(defense, jnp.asarray(h),
+                                       secret.keys(defense.name) if defense.has_secret else None))
+  public = {"name": defense.name, "params": defense.to_record()["params"]}
+  cal = splits.calibration.tokens
+  clean = Workspace(h, None, params, cfg, k, cal)
+  attacked = Workspace(defended, None, params, cfg, k, cal, defense=public)
+  runs = [dict(_run(clean, "activation", truth), capture="undefended"),
+          dict(_run(attacked, "activation", truth), capture="defended"),
+          dict(_run(attacked, _ATTACK.value, truth), capture="defended")]
+  out = {"model": _MODEL.value, "cut": k, "docs": _DOCS.value, "calibration": _CALIBRATION.value,
+         "defense": defense.to_record(secret), "runs": runs,
+         "adaptive_over_undefended": runs[2]["token_recovery"] / max(runs[0]["token_recovery"],
+                                                                     1e-12)}
+  for r in runs:
+    print(f"{r['attack']:>22} on {r['capture']:<10}: token {100 * r['token_recovery']:6.2f}%  "
+          f"exact docs {100 * r['exact_documents']:5.1f}%  {r['flops']:.3g} FLOPs  "
+          f"{r['wall_s']:.0f} s ({r['compile_s']:.0f} s compiling)")
+  print(f"adaptive / undefended activation: {out['adaptive_over_undefended']:.3f}")
+  if _OUT_JSON.value:
+    with open(_OUT_JSON.value, "w") as f:
+      json.dump(out, f, indent=2, sort_keys=True, default=str)
+
+
+if __name__ == "__main__":
+  app.run(main)
