@@ -202,7 +202,7 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
   return True
 
 
-BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics")
+BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sipit")
 
 
 def load_builtin() -> None:
