@@ -4,19 +4,26 @@ With the exact client weights, h_t identifies token t given the tokens before it
 client is injective on prefixes in practice). SipIt recovers a document's tokens in order:
 at position t it verifies candidate tokens v with one KV-cached client step over the
 recovered prefix and accepts the first whose output matches h_t. What makes it fast is
-the order in which candidates are proposed:
+the order in which candidates are proposed, cheapest first:
 
   1. proposals: where the capture holds g, the tokens ranked by <-g[t-1], wte[v]> (the
      backward message of position t-1 points at token t), interleaved with the ridge
      ranking of h_t (PROTOCOL section 4), duplicates removed;
-  2. the paper's gradient policy (official code `SIPIT.find_token`): SGD on a continuous
+  2. refinement (lla): the ridge decoder's weights W are a linear inverse of the client,
+     so e <- e + (h_t - client(prefix, e)_t) W is a Newton-like step with W as the inverse
+     Jacobian, one forward and no gradient per step, from the ridge decode; each step
+     verifies the nearest unvisited vocabulary rows to e, and a document leaves the stage
+     once its residual stops falling (where the ridge map is a poor inverse, e.g. random
+     weights, after two steps);
+  3. the paper's gradient policy (official code `SIPIT.find_token`): SGD on a continuous
      input embedding e for mean((client(prefix, e)_t - h_t)^2) with the gradient norm
-     clipped, each iteration verifying the nearest unvisited vocabulary rows to e, and
-     every `reset_every` iterations (times 1 + V // 25000 at position 0) snapping e to the
-     nearest of them. lla starts e at the ridge decode of h_t where the official code starts
-     at a random token: at position 0 of a random-weight GPT-2 124M cut at k = 6 the ridge
-     ranks run into the thousands, yet a few steps from the decode identify the token;
-  3. brute force over the rest of the vocabulary in chunks, so that every position ends.
+     clipped, each iteration verifying the nearest unvisited rows to e, and every
+     `reset_every` iterations (times 1 + V // 25000 at position 0) snapping e to the
+     nearest of them. lla starts e at the ridge decode of h_t where the official code
+     starts at a random token: at position 0 of a random-weight GPT-2 124M cut at k = 6 the
+     ridge ranks run into the thousands, yet a few steps from the decode identify the token;
+  4. brute force over the rest of the vocabulary, nearest to the ridge decode first, in
+     chunks, so that every position ends.
 
 Position 0's message depends on its token alone, so documents with bit-identical h_0 share
 one search. A visited mask keeps any token from being verified twice at a position.
@@ -56,7 +63,7 @@ from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
-STAGES = ("proposals", "policy", "brute_force")
+STAGES = ("proposals", "refine", "policy", "brute_force")
 # How a position was settled (the `resolved` statistic).
 RESOLUTIONS = STAGES + ("shared_position0", "fallback")
 _VOCAB_SCALE = 25_000  # official code: the position-0 projection period grows with V // 25000
@@ -68,6 +75,10 @@ budget_lib.declare(
 budget_lib.declare(
     "sipit_ridge_candidates", 4, int, low=0, high=budget_lib.VOCAB,
     doc="SipIt: ridge-ranked proposals per position", source="lla")
+budget_lib.declare(
+    "sipit_refine_iters", 16, int, low=0,
+    doc="SipIt: ridge-preconditioned refinement steps per position (while the residual falls)",
+    source="lla")
 budget_lib.declare(
     "sipit_batch", 1, int, low=1, high=budget_lib.VOCAB,
     doc="SipIt: candidates verified per call (a proposal batch; nearest rows per policy "
@@ -102,7 +113,8 @@ budget_lib.declare(
     "termination guarantee); False takes the nearest candidate verified",
     source="official code (the policy runs up to V iterations)")
 
-BUDGET_FIELDS = ("sipit_gradient_candidates", "sipit_ridge_candidates", "sipit_batch",
+BUDGET_FIELDS = ("sipit_gradient_candidates", "sipit_ridge_candidates", "sipit_refine_iters",
+                 "sipit_batch",
                  "sipit_max_iters", "sipit_step_size", "sipit_grad_clip", "sipit_reset_every",
                  "sipit_tolerance_factor", "sipit_calibration_docs", "sipit_brute_chunk",
                  "sipit_brute_force", "ridge_alpha")
@@ -192,13 +204,9 @@ def policy_step(params, cache, visited, record, e, idx, t, target, snap, step_si
     (visited, record, e, loss [n] at the pre-step e).
   """
   wte = split.wte(params)
-  row_norms = jnp.sum(wte**2, axis=-1)
 
   def one(cache_d, visited_d, record_d, e_d, target_d):
-    dist = jnp.where(visited_d, jnp.inf, row_norms - 2.0 * (wte @ e_d))  # + ||e||^2, common
-    neg_dist, cand = jax.lax.top_k(-dist, num)
-    cand = cand.astype(jnp.int32)
-    valid = jnp.isfinite(neg_dist)
+    cand, valid = _nearest_unvisited(wte, visited_d, e_d, num)
     e_d = jnp.where(snap, wte[cand[0]], e_d)
     rel, kv = _verify_one(params, cfg, cache_d, cand, t, target_d)
 
@@ -218,6 +226,52 @@ def policy_step(params, cache, visited, record, e, idx, t, target, snap, step_si
           e.at[idx].set(new_e), loss)
 
 
+def _nearest_unvisited(wte, visited, e, num):
+  """The `num` nearest unvisited rows of wte [V, d] to e [d]: (ids [num], valid [num])."""
+  dist = jnp.where(visited, jnp.inf, jnp.sum(wte**2, axis=-1) - 2.0 * (wte @ e))  # + ||e||^2
+  neg_dist, ids = jax.lax.top_k(-dist, num)
+  return ids.astype(jnp.int32), jnp.isfinite(neg_dist)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num"))
+def refine_step(params, cache, visited, record, e, idx, t, target, inverse, cfg: GPT2Config,
+                num: int):
+  """One ridge-preconditioned refinement step for the documents idx at position t.
+
+  The ridge decoder's weights W [d, d] are a global linear inverse of the client, used
+  here as an approximate inverse Jacobian: e <- e + (h_t - client(prefix, e)_t) W, a
+  Newton-like step that needs one forward and no gradient. The `num` nearest unvisited
+  rows to the new e are verified. Other arguments as in `verify`.
+
+  Returns:
+    (visited, record, e, residual [n] = ||h_t - client(prefix, e)_t|| at the old e).
+  """
+  wte = split.wte(params)
+
+  def one(cache_d, visited_d, record_d, e_d, target_d):
+    out, _ = split.client_step_embedding(params, cfg, cache_d, e_d, t)
+    residual = target_d - out
+    e_d = e_d + residual @ inverse
+    cand, valid = _nearest_unvisited(wte, visited_d, e_d, num)
+    rel, kv = _verify_one(params, cfg, cache_d, cand, t, target_d)
+    return (_mark(visited_d, cand, valid), _merge(record_d, rel, cand, kv, valid), e_d,
+            jnp.sqrt(jnp.sum(residual**2)))
+
+  new_visited, new_record, new_e, residual = jax.vmap(one)(
+      cache[idx], visited[idx], _rows(record, idx), e[idx], target[idx])
+  return (visited.at[idx].set(new_visited), _set_rows(record, idx, new_record),
+          e.at[idx].set(new_e), residual)
+
+
+@jax.jit
+def order_unvisited(params, visited, e, idx):
+  """[n, V] token ids of the documents idx, unvisited ones first, by distance to e [N, d]
+  (stable: ties to the lower id)."""
+  wte = split.wte(params)
+  dist = jnp.sum(wte**2, axis=-1) - 2.0 * (e[idx] @ wte.T)
+  return jnp.argsort(jnp.where(visited[idx], jnp.inf, dist), axis=-1, stable=True).astype(jnp.int32)
+
+
 @jax.jit
 def commit(cache, record, t):
   """Writes each document's chosen token's keys/values at position t: cache [N, ...]."""
@@ -233,6 +287,7 @@ class Settings:
 
   gradient_candidates: int
   ridge_candidates: int
+  refine_iters: int
   batch: int
   max_iters: int
   step_size: float
@@ -246,7 +301,7 @@ class Settings:
   @classmethod
   def from_budget(cls, budget) -> "Settings":
     return cls(int(budget.sipit_gradient_candidates), int(budget.sipit_ridge_candidates),
-               int(budget.sipit_batch), int(budget.sipit_max_iters),
+               int(budget.sipit_refine_iters), int(budget.sipit_batch), int(budget.sipit_max_iters),
                float(budget.sipit_step_size), float(budget.sipit_grad_clip),
                int(budget.sipit_reset_every), float(budget.sipit_tolerance_factor),
                int(budget.sipit_calibration_docs), int(budget.sipit_brute_chunk),
@@ -348,22 +403,24 @@ def merge_proposals(gradient: np.ndarray | None, ridge_ranked: np.ndarray | None
 class ChunkSearch:
   """SipIt over one chunk of documents (all arrays [n, ...]) at `positions`.
 
-  Called with `prefix_kv` [n, k, 2, H, D], the keys/values of position 0, when the
-  positions start at 1 (position 0 is searched in a pass of its own).
+  `search` [n] bool marks the documents to search (the others keep an empty record);
+  `prefix_kv` [n, k, 2, H, D], the keys/values of position 0, is given when the positions
+  start at 1 (position 0 is searched in a pass of its own).
   """
 
   def __init__(self, ws: Workspace, settings: Settings, tolerance: float, meter: Meter,
-               positions):
+               positions, inverse):
     self.ws, self.s, self.tol, self.meter = ws, settings, tolerance, meter
+    self.inverse = jnp.asarray(inverse)
     self.positions = tuple(positions)
     self.step_flops = token_step_flops(ws.cfg, ws.cut, ws.seq_len)
 
-  def __call__(self, h, proposals, counts, e_hat, doc_index, prefix_kv=None):
+  def __call__(self, h, proposals, counts, e_hat, doc_index, search, prefix_kv=None):
     cfg, k = self.ws.cfg, self.ws.cut
     n, seq_len = h.shape[:2]
     h, e_hat = jnp.asarray(h), jnp.asarray(e_hat)
     proposals, counts, doc_index = np.asarray(proposals), np.asarray(counts), np.asarray(doc_index)
-    self.n = n
+    self.n, self.search = n, np.asarray(search)
     cache = jnp.zeros((n, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
     if prefix_kv is not None:
       cache = self.meter("commit", 0.0, commit, cache, {"kv": jnp.asarray(prefix_kv)},
@@ -373,7 +430,7 @@ class ChunkSearch:
            "rel": np.zeros((n, width), np.float32),
            "runner": np.zeros((n, width), np.float32),
            "verified": np.zeros((n, width, len(STAGES)), np.int32),
-           "iterations": np.zeros((n, width), np.int32),
+           "iterations": np.zeros((n, width, 2), np.int32),
            "resolved": np.zeros((n, width), np.int8)}
     for j, t in enumerate(self.positions):
       record, stats = self._position(t, cache, h[:, t], proposals[:, t], counts[:, t],
@@ -395,16 +452,18 @@ class ChunkSearch:
     visited = jnp.zeros((n, vocab), jnp.bool_)
     seen = np.zeros(n, np.int64)
     verified = np.zeros((n, len(STAGES)), np.int32)
-    iterations = np.zeros(n, np.int32)
+    iterations = np.zeros((n, 2), np.int32)  # refinement, policy
     resolved = np.full(n, RESOLUTIONS.index("fallback"), np.int8)
     tt = jnp.int32(t)
 
     def open_docs(candidates_left):
-      return np.flatnonzero((np.asarray(record["rel"]) > self.tol) & candidates_left)
+      return np.flatnonzero(self.search & (np.asarray(record["rel"]) > self.tol)
+                            & candidates_left)
 
     def settle(stage):
       accepted = np.asarray(record["rel"]) <= self.tol
-      resolved[accepted & (resolved == RESOLUTIONS.index("fallback"))] = RESOLUTIONS.index(stage)
+      fresh = self.search & accepted & (resolved == RESOLUTIONS.index("fallback"))
+      resolved[fresh] = RESOLUTIONS.index(stage)
 
     # 1. Proposals, in batches.
     for j in range(0, proposals.shape[-1], s.batch):
@@ -412,8 +471,10 @@ class ChunkSearch:
       if not active.size:
         break
       idx = _bucket(active, n)
-      cands = proposals[np.asarray(idx), j:j + s.batch]
-      valid = np.arange(j, j + cands.shape[1])[None] < counts[np.asarray(idx)][:, None]
+      # A fixed width (the last batch padded) so that one executable serves every batch.
+      cands = np.pad(proposals[np.asarray(idx), j:j + s.batch],
+                     ((0, 0), (0, max(0, j + s.batch - proposals.shape[-1]))))
+      valid = np.arange(j, j + s.batch)[None] < counts[np.asarray(idx)][:, None]
       visited, record = self.meter(
           "proposals", len(idx) * cands.shape[1] * self.step_flops, verify, ws.params, cache,
           visited, record, idx, jnp.asarray(cands), jnp.asarray(valid), tt, target, cfg=ws.cfg)
@@ -422,58 +483,88 @@ class ChunkSearch:
       seen[active] += got
     settle("proposals")
 
-    # 2. The gradient policy from the ridge decode.
+    def checked(stage, residual, active, i):
+      residual = np.asarray(residual)[:len(active)]
+      if not np.all(np.isfinite(residual)):
+        bad = int(doc_index[active[np.flatnonzero(~np.isfinite(residual))[0]]])
+        raise FloatingPointError(f"sipit: non-finite {stage} residual at position {t}, "
+                                 f"iteration {i}, document {bad}")
+      return residual
+
+    d, num = ws.cfg.n_embd, min(s.batch, vocab)
+    nearest_flops = 2.0 * vocab * d
+    # 2. Ridge-preconditioned refinement from the ridge decode, while the residual falls.
+    e_refined, last = e, np.full(n, np.inf)
+    falling = np.ones(n, bool)
+    refine_flops = (1 + num) * self.step_flops + nearest_flops + 2.0 * d * d
+    for i in range(s.refine_iters):
+      active = open_docs((seen < vocab) & falling)
+      if not active.size:
+        break
+      idx = _bucket(active, n)
+      visited, record, e_refined, residual = self.meter(
+          "refine", len(idx) * refine_flops, refine_step, ws.params, cache, visited, record,
+          e_refined, idx, tt, target, self.inverse, cfg=ws.cfg, num=num)
+      residual = checked("refinement", residual, active, i)
+      falling[active] = residual < last[active]
+      last[active] = residual
+      got = np.minimum(num, vocab - seen[active])
+      verified[active, 1] += got
+      seen[active] += got
+      iterations[active, 0] += 1
+    settle("refine")
+
+    # 3. The paper's gradient policy, from the ridge decode.
     reset = s.reset_every * (1 + (vocab // _VOCAB_SCALE) * (t == 0))
-    num = min(s.batch, vocab)
-    e = jnp.asarray(e)
+    e_policy = e
     step = jnp.float32(s.step_size), jnp.float32(s.grad_clip)
-    policy_flops = num * self.step_flops + 3.0 * self.step_flops + 2.0 * vocab * ws.cfg.n_embd
+    policy_flops = (num + 3) * self.step_flops + nearest_flops
     for i in range(s.max_iters):
       active = open_docs(seen < vocab)
       if not active.size:
         break
       idx = _bucket(active, n)
       snap = jnp.bool_(i > 0 and i % reset == 0)
-      visited, record, e, loss = self.meter(
-          "policy", len(idx) * policy_flops, policy_step, ws.params, cache, visited, record, e,
-          idx, tt, target, snap, *step, cfg=ws.cfg, num=num)
-      loss = np.asarray(loss)[:len(active)]
-      if not np.all(np.isfinite(loss)):
-        bad = int(doc_index[active[np.flatnonzero(~np.isfinite(loss))[0]]])
-        raise FloatingPointError(f"sipit: non-finite policy loss at position {t}, iteration "
-                                 f"{i}, document {bad}")
+      visited, record, e_policy, loss = self.meter(
+          "policy", len(idx) * policy_flops, policy_step, ws.params, cache, visited, record,
+          e_policy, idx, tt, target, snap, *step, cfg=ws.cfg, num=num)
+      checked("policy loss", loss, active, i)
       got = np.minimum(num, vocab - seen[active])
-      verified[active, 1] += got
+      verified[active, 2] += got
       seen[active] += got
-      iterations[active] += 1
+      iterations[active, 1] += 1
     settle("policy")
 
-    # 3. Brute force over every token not yet verified, in id order.
+    # 4. Brute force: every token not yet verified, nearest to the ridge decode first.
     if s.brute_force:
       active = open_docs(seen < vocab)
+      lists = {}
       if active.size:
-        unvisited = ~np.asarray(visited)[active]
-        lists = {int(d): np.flatnonzero(row).astype(np.int32) for d, row in zip(active, unvisited)}
-        for j in range(0, vocab, s.brute_chunk):
-          active = open_docs(np.array([d in lists and len(lists[d]) > j for d in range(n)]))
-          if not active.size:
-            break
-          idx = _bucket(active, n)
-          rows = [lists[int(d)][j:j + s.brute_chunk] for d in np.asarray(idx)]
-          width = max(len(r) for r in rows)
-          cands = np.stack([_padded(r, width, 0) for r in rows])
-          valid = np.stack([np.arange(width) < len(r) for r in rows])
-          visited, record = self.meter(
-              "brute_force", len(idx) * width * self.step_flops, verify, ws.params, cache,
-              visited, record, idx, jnp.asarray(cands), jnp.asarray(valid), tt, target,
-              cfg=ws.cfg)
-          verified[active, 2] += valid[:len(active)].sum(-1)
+        idx = _bucket(active, n)
+        order = np.asarray(self.meter("brute_force", len(idx) * nearest_flops, order_unvisited,
+                                      ws.params, visited, e, idx))
+        lists = {int(doc): order[row, :vocab - seen[doc]] for row, doc in enumerate(active)}
+      width = min(s.brute_chunk, vocab)
+      for j in range(0, vocab, width):
+        active = open_docs(np.array([len(lists.get(doc, ())) > j for doc in range(n)]))
+        if not active.size:
+          break
+        idx = _bucket(active, n)
+        rows = [lists[int(doc)][j:j + width] for doc in np.asarray(idx)]
+        cands = np.stack([_padded(r, width, 0) for r in rows])
+        valid = np.stack([np.arange(width) < len(r) for r in rows])
+        visited, record = self.meter(
+            "brute_force", len(idx) * width * self.step_flops, verify, ws.params, cache,
+            visited, record, idx, jnp.asarray(cands), jnp.asarray(valid), tt, target,
+            cfg=ws.cfg)
+        verified[active, 3] += valid[:len(active)].sum(-1)
       settle("brute_force")
     return record, {"verified": verified, "iterations": iterations, "resolved": resolved}
 
 
 def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter: Meter,
-                     proposals: np.ndarray, counts: np.ndarray, e_hat: np.ndarray) -> dict:
+                     proposals: np.ndarray, counts: np.ndarray, e_hat: np.ndarray,
+                     inverse: np.ndarray) -> dict:
   """Every document searched, in chunks: statistics [B, T, ...] (see ChunkSearch).
 
   Position 0 depends on its token alone, so it is searched once per distinct h_0 (in a
@@ -483,17 +574,12 @@ def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter:
   h, doc_index = ws.activations, ws.doc_index
   per_doc = bytes_per_doc(ws, settings, proposals.shape[-1])
   rows = np.ascontiguousarray(h[:, 0]).view(np.dtype((np.void, h.dtype.itemsize * h.shape[-1])))
-  _, first, inverse = np.unique(rows.reshape(-1), return_index=True, return_inverse=True)
-  reps = np.sort(first)
-  # inverse indexes the unique rows in sorted-bytes order; re-index them by first occurrence.
-  rank = np.empty(len(first), np.int64)
-  rank[np.argsort(first)] = np.arange(len(first))
-  slot = rank[inverse.reshape(-1)]
-  head = ws.map_documents(ChunkSearch(ws, settings, tolerance, meter, (0,)),
-                          (h[reps], proposals[reps], counts[reps], e_hat[reps], doc_index[reps]),
-                          per_doc)
-  out = {key: value[slot] for key, value in head.items() if key != "kv"}
-  shared = reps[slot] != np.arange(len(slot))
+  _, first, group = np.unique(rows.reshape(-1), return_index=True, return_inverse=True)
+  source = first[group.reshape(-1)]        # each document's first document with its h_0
+  shared = source != np.arange(ws.num_docs)
+  head = ws.map_documents(ChunkSearch(ws, settings, tolerance, meter, (0,), inverse),
+                          (h, proposals, counts, e_hat, doc_index, ~shared), per_doc)
+  out = {key: value[source] for key, value in head.items() if key != "kv"}
   out["verified"][shared] = 0
   out["iterations"][shared] = 0
   fallback = RESOLUTIONS.index("fallback")
@@ -501,8 +587,9 @@ def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter:
                                      RESOLUTIONS.index("shared_position0"))
   if ws.seq_len > 1:
     tail = ws.map_documents(
-        ChunkSearch(ws, settings, tolerance, meter, range(1, ws.seq_len)),
-        (h, proposals, counts, e_hat, doc_index, head["kv"][slot]), per_doc)
+        ChunkSearch(ws, settings, tolerance, meter, range(1, ws.seq_len), inverse),
+        (h, proposals, counts, e_hat, doc_index, np.ones(ws.num_docs, bool),
+         head["kv"][source]), per_doc)
     out = {key: np.concatenate([out[key], tail[key]], axis=1) for key in out}
   return out
 
@@ -534,16 +621,13 @@ class SipIt:
     meter = Meter(ws)
     tolerance, discrepancy = calibrate_tolerance(ws, settings, meter)
 
-    shared = []
-    if settings.max_iters:  # The policy starts from the ridge decode.
-      shared.append("ridge")
-      decoder = ws.decoder
-      e_hat = ws.map_documents(
-          lambda h: meter("decode", 2.0 * h.shape[0] * h.shape[1] * ws.cfg.n_embd**2,
-                          ridge.decode, decoder.weights, decoder.mu_h, decoder.mu_e, h),
-          (ws.activations,), 8.0 * ws.seq_len * ws.cfg.n_embd)
-    else:
-      e_hat = np.zeros(ws.activations.shape, np.float32)
+    # The ridge decode starts the refinement and the policy and orders the brute force.
+    shared = ["ridge"]
+    decoder = ws.decoder
+    e_hat = ws.map_documents(
+        lambda h: meter("decode", 2.0 * h.shape[0] * h.shape[1] * ws.cfg.n_embd**2,
+                        ridge.decode, decoder.weights, decoder.mu_h, decoder.mu_e, h),
+        (ws.activations,), 8.0 * ws.seq_len * ws.cfg.n_embd)
     gradient = ridge_ranked = None
     if settings.gradient_candidates and ws.gradients is not None:
       gradient = ws.gradient_ranked(settings.gradient_candidates, ws.gradients,
@@ -551,10 +635,11 @@ class SipIt:
       shared.append("gradient_ranking")
     if settings.ridge_candidates:
       ridge_ranked = ws.activation_ranked(settings.ridge_candidates)
-      shared += ["ridge", "activation_candidates"]
+      shared.append("activation_candidates")
     proposals, counts = merge_proposals(gradient, ridge_ranked, ws.seq_len, ws.num_docs)
 
-    out = search_documents(ws, settings, tolerance, meter, proposals, counts, e_hat)
+    out = search_documents(ws, settings, tolerance, meter, proposals, counts, e_hat,
+                           decoder.weights)
     details = _details(out, settings, tolerance, discrepancy, meter, ws, shared,
                        gradient is not None)
     return registry.AttackResult(out["tokens"].astype(np.int32),
@@ -569,7 +654,7 @@ def _details(out, settings, tolerance, discrepancy, meter, ws, shared, used_grad
   runner = out["runner"][accepted]
   runner = runner[np.isfinite(runner)]
   verified = out["verified"]
-  entered_policy = verified[..., 1] > 0
+  iterations = out["iterations"]
   own = {stage: meter.xla[stage] for stage in ("calibration", "decode") + STAGES + ("commit",)}
   stages = {name: ws.costs[name].flops for name in sorted(set(shared))}
   fallbacks = resolved["fallback"]
@@ -591,10 +676,12 @@ def _details(out, settings, tolerance, discrepancy, meter, ws, shared, used_grad
       "mean_verified_per_position": float(verified.sum() / positions),
       "mean_verified_per_position_by_stage": {
           stage: float(verified[..., i].sum() / positions) for i, stage in enumerate(STAGES)},
-      "policy_positions": int(entered_policy.sum()),
-      "mean_policy_iterations": (float(out["iterations"][entered_policy].mean())
-                                 if entered_policy.any() else 0.0),
-      "max_policy_iterations": int(out["iterations"].max()),
+      **{f"{stage}_positions": int(np.sum(iterations[..., i] > 0))
+         for i, stage in enumerate(("refine", "policy"))},
+      **{f"mean_{stage}_iterations": (float(iterations[..., i][iterations[..., i] > 0].mean())
+                                      if np.any(iterations[..., i] > 0) else 0.0)
+         for i, stage in enumerate(("refine", "policy"))},
+      "max_policy_iterations": int(iterations[..., 1].max()),
       "runner_up_margin": _finite(runner.min() / tolerance) if runner.size else None,
       "runner_up_min_distance": _finite(runner.min()) if runner.size else None,
       "accepted_max_distance": _finite(out["rel"][accepted].max()) if accepted.any() else None,

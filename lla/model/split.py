@@ -131,7 +131,7 @@ def client_step_embedding(params, cfg: GPT2Config, cache: jax.Array, e_t: jax.Ar
 
   Differentiable in e_t: SipIt's gradient policy descends on it.
   """
-  x_t = e_t + params["wpe"]["embedding"][t]
+  x_t = e_t + jnp.asarray(params["wpe"]["embedding"])[t]
   h_t, kv_t = GPT2(cfg).apply({"params": params}, x_t, cache, t, 0, cache.shape[0],
                               method=GPT2.blocks_step)
   return h_t.astype(jnp.float32), kv_t
