@@ -84,9 +84,10 @@ budget_lib.declare(
     doc="SipIt: candidates verified per call (a proposal batch; nearest rows per policy "
     "iteration)", source="official code: one token per iteration")
 budget_lib.declare(
-    "sipit_max_iters", 50257, int, low=0,
+    "sipit_max_iters", 32, int, low=0,
     doc="SipIt: gradient-policy iterations per position before brute force",
-    source="official code: at most V iterations (50,257 for GPT-2)")
+    source="lla; the official loop runs up to V iterations (50,257 for GPT-2), the policy "
+    "being its own enumerator, where lla hands over to the batched brute force")
 budget_lib.declare(
     "sipit_step_size", 1.0, float, low=0.0, strict_low=True,
     doc="SipIt: SGD step size of the gradient policy", source="official CLI --step_size 1.0")
