@@ -13,8 +13,10 @@ the order in which candidates are proposed, cheapest first:
      so e <- e + (h_t - client(prefix, e)_t) W is a Newton-like step with W as the inverse
      Jacobian, one forward and no gradient per step, from the ridge decode; each step
      verifies the nearest unvisited vocabulary rows to e, and a document leaves the stage
-     once its residual stops falling (where the ridge map is a poor inverse, e.g. random
-     weights, after two steps);
+     once its residual stops falling. The stage runs only where one step contracts the
+     residual at most calibration positions (the median ratio, measured on the attacker's
+     calibration documents, is below 1): on a trained model the ridge map is a good local
+     inverse, on random weights it is not;
   3. the paper's gradient policy (official code `SIPIT.find_token`): SGD on a continuous
      input embedding e for mean((client(prefix, e)_t - h_t)^2) with the gradient norm
      clipped, each iteration verifying the nearest unvisited rows to e, and every
@@ -349,30 +351,75 @@ def empty_record(cfg: GPT2Config, k: int, num: int) -> dict:
           "kv": jnp.zeros((num, k, 2, cfg.n_head, cfg.head_dim), jnp.float32)}
 
 
-def calibrate_tolerance(ws: Workspace, settings: Settings, meter: Meter) -> tuple[float, float]:
-  """(tolerance, discrepancy): the largest relative distance between the batched client
-  and the KV-cached recomputation of the true prefixes of the first calibration
-  documents, and that (at least float32's epsilon) times the safety factor."""
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def refine_contraction(params, cache, t, target, e, inverse, cfg: GPT2Config):
+  """[n] ||residual after one refinement step from e|| / ||residual at e|| (see
+  `refine_step`); cache [n, ...] holds true prefixes, target [n, d], e [n, d]."""
+  def one(cache_d, target_d, e_d):
+    before = target_d - split.client_step_embedding(params, cfg, cache_d, e_d, t)[0]
+    after = target_d - split.client_step_embedding(params, cfg, cache_d,
+                                                   e_d + before @ inverse, t)[0]
+    return jnp.sqrt(jnp.sum(after**2) / jnp.maximum(jnp.sum(before**2),
+                                                    jnp.finfo(jnp.float32).tiny))
+  return jax.vmap(one)(cache, target, e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """What SipIt learns from the attacker's calibration documents.
+
+  Attributes:
+    tolerance: the acceptance tolerance on the relative distance.
+    discrepancy: the largest relative distance between the batched client and the
+      KV-cached recomputation of the true prefixes.
+    contraction: the median over calibration positions of the residual ratio after one
+      refinement step from the ridge decode (None when refinement is off); the
+      refinement stage runs only where it is below 1.
+  """
+
+  tolerance: float
+  discrepancy: float
+  contraction: float | None
+
+  @property
+  def refine(self) -> bool:
+    return self.contraction is not None and self.contraction < 1.0
+
+
+def calibrate(ws: Workspace, settings: Settings, meter: Meter,
+              decoder: ridge.RidgeDecoder) -> Calibration:
+  """Recomputes the first calibration documents position by position with the KV cache:
+  the tolerance is the largest relative distance to the batched client (at least float32's
+  epsilon) times the safety factor; the refinement's contraction is measured on the way."""
   cfg, k, params = ws.cfg, ws.cut, ws.params
   tokens = np.asarray(ws.calibration_tokens[:settings.calibration_docs], np.int32)
   n, seq_len = tokens.shape
   step = token_step_flops(cfg, k, seq_len)
   batched = meter("calibration", n * seq_len * step, split.client, params, cfg=cfg,
                   tokens=jnp.asarray(tokens), k=k)
+  if settings.refine_iters:
+    e_hat = meter("calibration", 2.0 * n * seq_len * cfg.n_embd**2, ridge.decode,
+                  decoder.weights, decoder.mu_h, decoder.mu_e, batched)
   cache = jnp.zeros((n, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
   visited = jnp.zeros((n, cfg.vocab_size), jnp.bool_)
   idx, ones = jnp.arange(n, dtype=jnp.int32), jnp.ones((n, 1), jnp.bool_)
-  worst = 0.0
+  worst, contractions = 0.0, []
   for t in range(seq_len):
+    tt = jnp.int32(t)
+    if settings.refine_iters:
+      contractions.append(np.asarray(meter(
+          "calibration", 2 * n * step, refine_contraction, params, cache, tt, batched[:, t],
+          e_hat[:, t], jnp.asarray(decoder.weights), cfg=cfg)))
     _, record = meter("calibration", n * step, verify, params, cache, visited,
                       empty_record(cfg, k, n), idx, jnp.asarray(tokens[:, t:t + 1]), ones,
-                      jnp.int32(t), batched[:, t], cfg=cfg)
+                      tt, batched[:, t], cfg=cfg)
     worst = max(worst, float(np.max(np.asarray(record["rel"]))))
-    cache = meter("calibration", 0.0, commit, cache, record, jnp.int32(t))
+    cache = meter("calibration", 0.0, commit, cache, record, tt)
   if not math.isfinite(worst):
     raise FloatingPointError("sipit: the calibration documents give a non-finite discrepancy")
   discrepancy = max(worst, float(np.finfo(np.float32).eps))
-  return settings.tolerance_factor * discrepancy, worst
+  contraction = float(np.median(np.concatenate(contractions))) if contractions else None
+  return Calibration(settings.tolerance_factor * discrepancy, worst, contraction)
 
 
 def merge_proposals(gradient: np.ndarray | None, ridge_ranked: np.ndarray | None,
@@ -620,11 +667,10 @@ class SipIt:
     del key  # Nothing is drawn at random (the ridge decode replaces the random start).
     settings = Settings.from_budget(budget)
     meter = Meter(ws)
-    tolerance, discrepancy = calibrate_tolerance(ws, settings, meter)
-
     # The ridge decode starts the refinement and the policy and orders the brute force.
     shared = ["ridge"]
     decoder = ws.decoder
+    calibration = calibrate(ws, settings, meter, decoder)
     e_hat = ws.map_documents(
         lambda h: meter("decode", 2.0 * h.shape[0] * h.shape[1] * ws.cfg.n_embd**2,
                         ridge.decode, decoder.weights, decoder.mu_h, decoder.mu_e, h),
@@ -639,16 +685,18 @@ class SipIt:
       shared.append("activation_candidates")
     proposals, counts = merge_proposals(gradient, ridge_ranked, ws.seq_len, ws.num_docs)
 
-    out = search_documents(ws, settings, tolerance, meter, proposals, counts, e_hat,
+    if not calibration.refine:
+      settings = dataclasses.replace(settings, refine_iters=0)
+    out = search_documents(ws, settings, calibration.tolerance, meter, proposals, counts, e_hat,
                            decoder.weights)
-    details = _details(out, settings, tolerance, discrepancy, meter, ws, shared,
-                       gradient is not None)
+    details = _details(out, settings, calibration, meter, ws, shared, gradient is not None)
     return registry.AttackResult(out["tokens"].astype(np.int32),
                                  float(sum(meter.analytic.values())), details)
 
 
-def _details(out, settings, tolerance, discrepancy, meter, ws, shared, used_gradients) -> dict:
+def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> dict:
   """The record's statistics: acceptance, where the candidates and the FLOPs went."""
+  tolerance = calibration.tolerance
   positions = out["tokens"].size
   accepted = out["rel"] <= tolerance
   resolved = {name: int(np.sum(out["resolved"] == i)) for i, name in enumerate(RESOLUTIONS)}
@@ -667,7 +715,9 @@ def _details(out, settings, tolerance, discrepancy, meter, ws, shared, used_grad
                else "a message that no token reproduces") + ")")
   return {
       "tolerance": tolerance,
-      "calibration_discrepancy": discrepancy,
+      "calibration_discrepancy": calibration.discrepancy,
+      "refine_contraction": calibration.contraction,
+      "refine_used": calibration.refine,
       "tolerance_factor": settings.tolerance_factor,
       "acceptance_rate": float(accepted.mean()),
       "exact": bool(accepted.all()),
