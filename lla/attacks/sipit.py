@@ -105,8 +105,9 @@ budget_lib.declare(
     "sipit_tolerance_factor", 100.0, float, low=1.0,
     doc="SipIt: acceptance tolerance / calibrated batched-vs-cached discrepancy", source="lla")
 budget_lib.declare(
-    "sipit_calibration_docs", 4, int, low=1,
-    doc="SipIt: calibration documents the acceptance tolerance is calibrated on", source="lla")
+    "sipit_calibration_docs", 2, int, low=1,
+    doc="SipIt: calibration documents the acceptance tolerance (and the refinement's "
+    "contraction) is measured on", source="lla")
 budget_lib.declare(
     "sipit_brute_chunk", 512, int, low=1, high=budget_lib.VOCAB,
     doc="SipIt: candidates per document in one brute-force call", source="lla")
@@ -117,10 +118,9 @@ budget_lib.declare(
     source="official code (the policy runs up to V iterations)")
 
 BUDGET_FIELDS = ("sipit_gradient_candidates", "sipit_ridge_candidates", "sipit_refine_iters",
-                 "sipit_batch",
-                 "sipit_max_iters", "sipit_step_size", "sipit_grad_clip", "sipit_reset_every",
-                 "sipit_tolerance_factor", "sipit_calibration_docs", "sipit_brute_chunk",
-                 "sipit_brute_force", "ridge_alpha")
+                 "sipit_batch", "sipit_max_iters", "sipit_step_size", "sipit_grad_clip",
+                 "sipit_reset_every", "sipit_tolerance_factor", "sipit_calibration_docs",
+                 "sipit_brute_chunk", "sipit_brute_force", "ridge_alpha")
 
 
 # --- compiled steps (one position, documents `idx` of a chunk of N) -----------------------
