@@ -181,3 +181,34 @@ def test_sipit_declares_its_budget():
     budget_lib.validate({"sipit_batch": 0}, [spec], CFG.vocab_size)
   assert {check[1].split("::")[1] for check in spec.checks} <= set(globals())
   assert sipit.merge_proposals(None, None, 2, 1)[0].shape == (1, 2, 0)
+
+
+def test_linearised_order_matches_float64_finite_differences(case):
+  """The brute force's ranking: the client's Jacobian in the input embedding (JVPs) against
+  central differences of the float64 numpy client; the visited token ranks last."""
+  params, truth, _, h, _ = case
+  b, t = 0, 3
+  cache = split.init_cache(CFG, K, T)
+  for s in range(t):
+    _, cache = split.client_step(params, CFG, cache, jnp.int32(truth[b, s]), jnp.int32(s))
+  wte = np.asarray(split.wte(params), np.float64)
+  e = wte[truth[b, t]] + 0.3 * np.random.default_rng(2).standard_normal(CFG.n_embd) * 0.02
+  visited = np.zeros((1, CFG.vocab_size), bool)
+  visited[0, truth[b, t]] = True
+  order = np.asarray(sipit.linearised_order(
+      params, cache[None], jnp.asarray(visited), jnp.asarray(e[None], jnp.float32),
+      jnp.zeros(1, jnp.int32), jnp.int32(t), jnp.asarray(h[b:b + 1, t]), cfg=CFG))
+
+  def client_at(x):  # float64 client output at position t with input embedding x
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    p["wte"]["embedding"] = np.concatenate([p["wte"]["embedding"], x[None]])
+    tokens = np.concatenate([truth[b, :t], [CFG.vocab_size]])[None]
+    return np_client(p, CFG, tokens, K)[0, t]
+
+  step = 1e-5
+  jacobian = np.stack([(client_at(e + step * u) - client_at(e - step * u)) / (2 * step)
+                       for u in np.eye(CFG.n_embd)])
+  error = np.sum(((wte - e) @ jacobian - (h[b, t] - client_at(e))) ** 2, axis=-1)
+  error[truth[b, t]] = np.inf
+  assert order[-1] == truth[b, t]
+  np.testing.assert_array_equal(order[:10], np.argsort(error, kind="stable")[:10])
