@@ -1,20 +1,30 @@
-"""Benchmark: lla's activation-only and joint attacks against a plain PyTorch beam search.
+"""Benchmark: lla's attacks on one capture (FLOPs, wall time, recovery), against PyTorch.
 
-GPT-2 124M configuration with random weights (lla draws them; the PyTorch side loads the
-same weights through `save_hf_dir` -> `GPT2LMHeadModel.from_pretrained`), cut k, B
-documents of T tokens. Reports, side by side in one run:
+A GPT-2 124M configuration with random weights (or, with --checkpoint, a stored lla
+checkpoint attacked on its evaluation documents), cut k, B documents of T tokens, captured
+in training mode (h and g) and read as an inference capture too (h alone). Each attack runs
+through `registry.execute` on a fresh `Workspace` twice: cold (compilation included) and
+warm (every executable already compiled). Reported per capture and attack:
 
-  * lla: wall time cold (compile + XLA cost analysis included) and warm (compiled, per
-    stage: ridge fit, activation candidates, gradient ranking, beam search), FLOPs (XLA
-    cost analysis and analytic) and achieved FLOP/s;
-  * the machine's float32 matmul FLOP/s (2048 x 2048, jax and torch);
-  * the same beam search written plainly in PyTorch with transformers' GPT-2 on the same
-    candidates: once recomputing every (beam, candidate) prefix through the first k blocks
-    at each step, once with a `past_key_values` cache; per-document times are
-    extrapolated to B documents; token agreement with lla's predictions.
+  * recovery (tokens, exact documents), FLOPs (the workspace meter: XLA's cost analysis of
+    what ran, every shared stage charged in full; and the analytic count), FLOPs and warm
+    wall time per document, both as a ratio to the activation beam search on the same
+    capture, compile seconds, warm seconds per stage, achieved FLOP/s; SipIt's acceptance
+    statistics;
+  * the machine's float32 matmul FLOP/s (jax and torch);
+  * the beam searches written plainly in PyTorch with transformers' GPT-2 on the same
+    candidates (training capture): once recomputing every (beam, candidate) prefix, once
+    with a `past_key_values` cache; per-document times, token agreement with lla.
 
   python -m experiments.bench_attacks --batch 16 --torch_batch 4 --torch_nocache_batch 1 \
       --out_json /tmp/bench.json
+  # SipIt against the beam search, 8 documents, no PyTorch side:
+  python -m experiments.bench_attacks --batch 8 --attacks activation,sipit --torch_batch 0 \
+      --torch_nocache_batch 0 --out_json /tmp/bench_sipit.json
+  # The embedded model (the main job's fine-tuned target):
+  LLA_DATA_DIR=/work/shared/data python -m experiments.bench_attacks --batch 32 \
+      --checkpoint /tmp/bl/run/finetune/k6_public/seed_0 --attacks activation,joint,sipit \
+      --torch_batch 0 --torch_nocache_batch 0
 
 torch is imported inside this benchmark only.
 """
@@ -29,30 +39,37 @@ import time
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from lla.attacks import beam, beam_attacks, registry
+from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
-from lla.attacks.workspace import Workspace, map_documents
-from lla.model import hf_io, split
+from lla.attacks import registry
+from lla.attacks.workspace import Workspace, document_mesh
+from lla.model import checkpoint, hf_io, split
 from lla.model.gpt2 import GPT2Config, init_params
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Documents attacked by lla (paper: 256).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Tokens per document T.")
 _CUT = flags.DEFINE_integer("cut", 6, "Cut k.")
+_CAPTURE_BATCH = flags.DEFINE_integer("capture_batch", 32, "Documents per captured step.")
 _TORCH_BATCH = flags.DEFINE_integer("torch_batch", 32,
-                                    "Documents for the cached PyTorch search (extrapolated).")
+                                    "Documents for the cached PyTorch search (0: skip).")
 _TORCH_NOCACHE_BATCH = flags.DEFINE_integer(
     "torch_nocache_batch", -1, "Documents for the uncached PyTorch search (-1: torch_batch).")
 _CALIBRATION = flags.DEFINE_integer("calibration", 32, "Calibration documents.")
-_CANDIDATES = flags.DEFINE_integer("candidates", 32, "C (activation-only).")
-_WIDTH = flags.DEFINE_integer("beam_width", 2, "W.")
-_C_A = flags.DEFINE_integer("c_a", 16, "Joint: activation candidates.")
-_C_G = flags.DEFINE_integer("c_g", 16, "Joint: gradient candidates.")
+_ATTACKS = flags.DEFINE_list("attacks", ["activation", "joint", "sipit"],
+                             "Attacks to run (those that fit each capture).")
+_CAPTURES = flags.DEFINE_list("captures", ["training", "inference"],
+                              "training: h and g; inference: the same h alone.")
+_BUDGET = flags.DEFINE_list("budget", [], "Budget fields as name=value (defaults otherwise).")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", "", "An lla checkpoint to attack on its evaluation documents ($LLA_DATA_DIR) "
+    "instead of the random-weight GPT-2 124M.")
 _MATMUL_N = flags.DEFINE_integer("matmul_n", 2048, "Size of the peak-FLOP/s matmul probe.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of weights and tokens.")
+
+REFERENCE = "activation"  # the ratios' denominator
 
 
 def random_params(cfg: GPT2Config, seed: int) -> dict:
@@ -73,6 +90,19 @@ def random_params(cfg: GPT2Config, seed: int) -> dict:
 
   shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
   return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def parse_budget(items) -> dict:
+  """name=value items as typed budget fields (registry.execute validates nothing itself)."""
+  registry.load_builtin()
+  out = {}
+  for item in items:
+    name, _, text = item.partition("=")
+    field = budget_lib.get(name.strip())
+    value = (text.strip().lower() in ("1", "true")) if field.kind is bool else field.kind(text)
+    field.check(value, None)
+    out[field.name] = value
+  return out
 
 
 def _timed(fn, repeats=1):
@@ -103,51 +133,41 @@ def matmul_flops(n: int) -> dict:
           "torch_threads": torch.get_num_threads()}
 
 
-def lla_attack(name: str, ws_args: tuple, budget, key) -> dict:
-  """Cold run through the registry, then warm stages with the compiled functions."""
-  ws = Workspace(*ws_args)
-  start = time.perf_counter()
-  result = registry.get(name)(ws, budget, key)
-  cold = time.perf_counter() - start
+def lla_attack(name: str, make_ws, budget: dict, truth: np.ndarray) -> dict:
+  """The attack cold (compiling) then warm, each on a fresh workspace of the capture."""
+  runs = []
+  for _ in ("cold", "warm"):
+    ws = make_ws()
+    start = time.perf_counter()
+    result, charge = registry.execute(name, ws, budget, jax.random.key(0))
+    runs.append((result, charge, time.perf_counter() - start, ws))
+  (cold, cold_charge, cold_s, _), (warm, charge, warm_s, ws) = runs
+  if not np.array_equal(cold.predictions, warm.predictions):
+    raise AssertionError(f"{name}: the warm run's predictions differ from the cold run's")
+  b = truth.shape[0]
+  row = {"attack": name, "docs": b,
+         "token_recovery": float(np.mean(warm.predictions == truth)),
+         "exact_documents": float(np.mean(np.all(warm.predictions == truth, axis=1))),
+         "flops": charge.flops, "flops_source": charge.flops_source,
+         "flops_analytic": charge.flops_analytic, "flops_per_doc": charge.flops / b,
+         "cold_s": cold_s, "compile_s": cold_charge.compile_s, "warm_s": warm_s,
+         "warm_s_per_doc": warm_s / b, "achieved_flops_per_s": charge.flops / warm_s,
+         "warm_stage_s": {s: c["wall_s"] for s, c in charge.stages.items()},
+         "stage_flops": {s: c["flops"] for s, c in charge.stages.items()}}
+  if name == "sipit":
+    row["details"] = warm.details
+  return row, warm.predictions, ws
 
-  # Warm: a fresh workspace, the same jitted functions and chunk shapes, no cost analysis.
-  ws = Workspace(*ws_args)
-  stages = {}
-  start = time.perf_counter()
-  decoder = ws.decoder  # client on the calibration documents + float64 solve
-  stages["ridge_s"] = time.perf_counter() - start
-  wte = ws.wte
-  vocab, t = ws.cfg.vocab_size, ws.seq_len
-  nearest = lambda num: (lambda h: cand_lib.nearest_tokens(decoder.decode(h), wte, num))
-  chunk_c = ws.chunk_for(8.0 * t * vocab)
+
+def beam_candidates(name: str, ws: Workspace, budget: dict) -> np.ndarray:
+  """The candidates a beam attack searched (its stages are cached in `ws`)."""
+  values = {**budget_lib.defaults(), **budget}
   if name == "activation":
-    num = int(budget.candidates)
-    (cands, _), stages["activation_candidates_s"] = _timed(
-        lambda: map_documents(nearest(num), (ws.activations,), chunk_c, None))
-  else:
-    c_a, c_g = int(budget.c_a), int(budget.c_g)
-    (act, _), stages["activation_candidates_s"] = _timed(
-        lambda: map_documents(nearest(c_a + c_g), (ws.activations,), chunk_c, None))
-    rank = lambda g: cand_lib.gradient_ranked_tokens(g, wte, c_a + c_g)
-    (grad, _), stages["gradient_ranking_s"] = _timed(
-        lambda: map_documents(rank, (ws.gradients,), chunk_c, None))
-    cands, stages["joint_merge_s"] = _timed(
-        lambda: np.asarray(cand_lib.joint_candidates(act, grad, c_a, c_g)))
-  width = int(budget.beam_width)
-  chunk_b = ws.chunk_for(beam_attacks.beam_bytes_per_doc(ws, width, cands.shape[-1]))
-  fn = lambda h, c: beam.beam_search(ws.params, ws.cfg, ws.cut, h, c, width)[0]
-  (preds, _), stages["beam_s"] = _timed(
-      lambda: map_documents(fn, (ws.activations, cands.astype(np.int32)), chunk_b, None))
-  warm = sum(stages.values())
-  if not np.array_equal(preds, result.predictions):
-    raise AssertionError(f"{name}: warm predictions differ from the registry's")
-  beam_analytic = beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, cands.shape[-1], t)
-  return {"attack": name, "cold_s": cold, "warm_s": warm, "warm_stages": stages,
-          "flops": result.flops, "flops_source": result.flops_source,
-          "flops_analytic": result.flops_analytic, "beam_flops_analytic": beam_analytic,
-          "achieved_flops_per_s": result.flops / warm,
-          "beam_achieved_flops_per_s": beam_analytic / stages["beam_s"],
-          "candidates": cands, "predictions": result.predictions}
+    return ws.activation_ranked(int(values["candidates"]))
+  c_a, c_g = int(values["c_a"]), int(values["c_g"])
+  act = ws.activation_ranked(c_a + c_g)
+  grad = ws.gradient_ranked(c_a + c_g, ws.gradients, "gradient_ranking")
+  return np.asarray(cand_lib.joint_candidates(act, grad, c_a=c_a, c_g=c_g))
 
 
 def torch_beam(model, h: np.ndarray, cands: np.ndarray, width: int, cached: bool) -> np.ndarray:
@@ -187,8 +207,9 @@ def torch_beam(model, h: np.ndarray, cands: np.ndarray, width: int, cached: bool
   return tokens[:, 0].numpy()
 
 
-def torch_side(hf_dir: str, cut: int, lla_runs: dict, h: np.ndarray, width: int,
+def torch_side(hf_dir: str, cut: int, beams: dict, h: np.ndarray, width: int,
                docs_cached: int, docs_nocache: int) -> dict:
+  """beams: {attack: (candidates [B, T, C], lla predictions [B, T])}."""
   import torch
   from transformers import GPT2LMHeadModel
   torch.set_num_threads(os.cpu_count() or 1)
@@ -198,94 +219,127 @@ def torch_side(hf_dir: str, cut: int, lla_runs: dict, h: np.ndarray, width: int,
   model.ln_f = torch.nn.Identity()
   # Warm-up: one document through both variants, so that torch's one-time start-up costs
   # (allocator, kernel selection) are not billed to the first timed run.
-  first = next(iter(lla_runs.values()))
+  first_cands = next(iter(beams.values()))[0]
   for cached in (True, False):
-    torch_beam(model, h[:1], first["candidates"][:1], width, cached)
+    torch_beam(model, h[:1], first_cands[:1], width, cached)
   out = {}
-  for name, run in lla_runs.items():
+  for name, (cands, lla_preds) in beams.items():
     for cached, docs in ((True, docs_cached), (False, docs_nocache)):
       if docs <= 0:
         continue
       start = time.perf_counter()
-      preds = torch_beam(model, h[:docs], run["candidates"][:docs], width, cached)
+      preds = torch_beam(model, h[:docs], cands[:docs], width, cached)
       wall = time.perf_counter() - start
       key = f"{name}/{'cached' if cached else 'recompute'}"
       out[key] = {"docs": docs, "wall_s": wall, "per_doc_s": wall / docs,
-                  "agreement": float(np.mean(preds == run["predictions"][:docs]))}
+                  "agreement": float(np.mean(preds == lla_preds[:docs]))}
       logging.info("torch %s: %d docs in %.1fs, agreement %.4f", key, docs, wall,
                    out[key]["agreement"])
   return out
 
 
-def main(argv):
-  del argv
+def target_model(seed: int):
+  """(params, cfg, documents [B, T], calibration [N, T], model name)."""
+  b, t = _BATCH.value, _SEQ_LEN.value
+  if _CHECKPOINT.value:
+    from lla.data import load_splits  # pylint: disable=g-import-not-at-top
+    ckpt = checkpoint.restore(_CHECKPOINT.value)
+    splits = load_splits(seq_len=t, n_calibration=_CALIBRATION.value, n_eval=b, seed=seed)
+    return (ckpt.params, ckpt.cfg, np.asarray(splits.evaluation.tokens[:b], np.int32),
+            np.asarray(splits.calibration.tokens, np.int32), f"checkpoint {ckpt.sha256[:12]}")
   cfg = GPT2Config()
-  b, t, k = _BATCH.value, _SEQ_LEN.value, _CUT.value
-  params = random_params(cfg, _SEED.value)
-  rng = np.random.default_rng(_SEED.value)
+  rng = np.random.default_rng(seed)
   tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
   cal = rng.integers(0, cfg.vocab_size, (_CALIBRATION.value, t)).astype(np.int32)
-  hs, gs = [], []
-  for s in range(0, b, 32):
-    h, g = split.boundary_messages(params, cfg, jnp.asarray(tokens[s:s + 32]), k)
+  return random_params(cfg, seed), cfg, tokens, cal, "gpt2_124m_random"
+
+
+def main(argv):
+  del argv
+  k = _CUT.value
+  budget = parse_budget(_BUDGET.value)
+  params, cfg, tokens, cal, model_name = target_model(_SEED.value)
+  b, t = tokens.shape
+  hs, gs, batch_docs = [], [], []
+  step = _CAPTURE_BATCH.value
+  for s in range(0, b, step):
+    h, g = split.boundary_messages(params, cfg, jnp.asarray(tokens[s:s + step]), k)
     hs.append(np.asarray(h))
     gs.append(np.asarray(g))
+    batch_docs += [len(h)] * len(h)
   h, g = np.concatenate(hs), np.concatenate(gs)
-  budget = ml_collections.ConfigDict(dict(
-      candidates=_CANDIDATES.value, beam_width=_WIDTH.value, c_a=_C_A.value, c_g=_C_G.value,
-      ridge_alpha=1e-3, shuffle_seed=17))
-  ws_args = (h, g, params, cfg, k, cal)
+  mesh = document_mesh()
+  captures = {"training": g, "inference": None}
 
   peak = matmul_flops(_MATMUL_N.value)
   logging.info("matmul: %s", peak)
-  runs = {}
-  for name in ("activation", "joint"):
-    runs[name] = lla_attack(name, ws_args, budget, jax.random.key(0))
-    logging.info("lla %s: cold %.1fs warm %.1fs %s", name, runs[name]["cold_s"],
-                 runs[name]["warm_s"], runs[name]["warm_stages"])
-  nocache = _TORCH_NOCACHE_BATCH.value
-  with tempfile.TemporaryDirectory(prefix="bench_attacks_") as tmp:
-    hf_io.save_hf_dir(params, cfg, tmp)
-    torch_runs = torch_side(tmp, k, runs, h, _WIDTH.value, _TORCH_BATCH.value,
-                            _TORCH_BATCH.value if nocache < 0 else nocache)
+  results, beams = {}, {}
+  for capture in _CAPTURES.value:
+    gradients = captures[capture]
+    observed = {"activations"} | ({"gradients"} if gradients is not None else set())
+    make_ws = lambda: Workspace(h, gradients, params, cfg, k, cal, mesh=mesh,
+                                batch_docs=np.asarray(batch_docs, np.int32))
+    rows = {}
+    for name in _ATTACKS.value:
+      if not registry.fits(registry.get(name).spec, observed, "public", "none"):
+        continue
+      rows[name], preds, ws = lla_attack(name, make_ws, budget, tokens)
+      logging.info("%s %s: %s", capture, name, {key: v for key, v in rows[name].items()
+                                                 if key != "details"})
+      if capture == "training" and name in ("activation", "joint"):
+        beams[name] = (beam_candidates(name, ws, budget), preds)
+    reference = rows.get(REFERENCE)
+    for row in rows.values():
+      if reference:
+        row["flops_ratio"] = row["flops"] / reference["flops"]
+        row["warm_s_ratio"] = row["warm_s"] / reference["warm_s"]
+    results[capture] = rows
 
-  rows = []
-  for name, run in runs.items():
-    per_doc = run["warm_s"] / b
-    rows.append((f"lla {name} (warm)", b, run["warm_s"], per_doc, 1.0,
-                 run["achieved_flops_per_s"], None))
-    for variant in ("cached", "recompute"):
-      tr = torch_runs.get(f"{name}/{variant}")
-      if tr:
-        rows.append((f"torch {name} {variant}", tr["docs"], tr["wall_s"], tr["per_doc_s"],
-                     tr["per_doc_s"] / per_doc, run["beam_flops_analytic"] / b / tr["per_doc_s"],
-                     tr["agreement"]))
-  print(f"\nGPT-2 124M (random weights), k={k}, T={t}, W={_WIDTH.value}, lla B={b}; "
-        f"jax matmul {peak['jax_flops_per_s'] / 1e9:.1f} GFLOP/s, torch matmul "
+  torch_runs = {}
+  nocache = _TORCH_NOCACHE_BATCH.value
+  nocache = _TORCH_BATCH.value if nocache < 0 else nocache
+  width = int({**budget_lib.defaults(), **budget}["beam_width"])
+  if beams and (_TORCH_BATCH.value > 0 or nocache > 0):
+    with tempfile.TemporaryDirectory(prefix="bench_attacks_") as tmp:
+      hf_io.save_hf_dir(params, cfg, tmp)
+      torch_runs = torch_side(tmp, k, beams, h, width, _TORCH_BATCH.value, nocache)
+
+  print(f"\n{model_name} (d={cfg.n_embd}, L={cfg.n_layer}, V={cfg.vocab_size}), k={k}, T={t}, "
+        f"B={b}; jax matmul {peak['jax_flops_per_s'] / 1e9:.1f} GFLOP/s, torch matmul "
         f"{peak['torch_flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['n']}^2 float32)")
-  print(f"{'':34s}{'docs':>5s}{'wall s':>9s}{'s/doc':>8s}{'x lla':>7s}"
-        f"{'GFLOP/s':>9s}{'agree':>8s}")
-  for label, docs, wall, per_doc, ratio, fps, agree in rows:
-    print(f"{label:34s}{docs:5d}{wall:9.2f}{per_doc:8.3f}{ratio:7.2f}{fps / 1e9:9.1f}"
-          f"{'' if agree is None else f'{100 * agree:7.2f}%':>8s}")
-  for name, run in runs.items():
-    stages = ", ".join(f"{s[:-2]} {v:.2f}s" for s, v in run["warm_stages"].items())
-    print(f"lla {name}: cold {run['cold_s']:.1f}s (compile + cost analysis); warm stages: "
-          f"{stages}; FLOPs {run['flops']:.3g} ({run['flops_source']}), analytic "
-          f"{run['flops_analytic']:.3g}; {run['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
-          f"{100 * run['achieved_flops_per_s'] / peak['jax_flops_per_s']:.0f}% of matmul; "
-          f"beam stage {run['beam_achieved_flops_per_s'] / 1e9:.1f} GFLOP/s")
-  print("torch GFLOP/s counts lla's analytic beam-search FLOPs (cached algorithm) per document; "
-        "torch per-document times are extrapolated to B.")
+  print(f"{'capture':10s}{'attack':12s}{'tokens':>8s}{'exact':>7s}{'GFLOP/doc':>11s}"
+        f"{'x ' + REFERENCE:>14s}{'warm s/doc':>11s}{'x ' + REFERENCE:>14s}{'compile s':>10s}"
+        f"{'GFLOP/s':>9s}")
+  for capture, rows in results.items():
+    for name, row in rows.items():
+      ratio = lambda key: f"{row[key]:.3f}" if key in row else "-"
+      print(f"{capture:10s}{name:12s}{100 * row['token_recovery']:7.2f}%"
+            f"{100 * row['exact_documents']:6.1f}%{row['flops_per_doc'] / 1e9:11.2f}"
+            f"{ratio('flops_ratio'):>14s}{row['warm_s_per_doc']:11.3f}{ratio('warm_s_ratio'):>14s}"
+            f"{row['compile_s']:10.1f}{row['achieved_flops_per_s'] / 1e9:9.1f}")
+  for capture, rows in results.items():
+    if "sipit" in rows:
+      d = rows["sipit"]["details"]
+      print(f"sipit {capture}: acceptance {100 * d['acceptance_rate']:.2f}%, tolerance "
+            f"{d['tolerance']:.3g}, runner-up margin {d['runner_up_margin']}, verified per "
+            f"position {d['mean_verified_per_position']:.2f} "
+            f"{json.dumps(d['mean_verified_per_position_by_stage'])}, resolved "
+            f"{json.dumps(d['resolved_by_stage'])}, GFLOPs by stage "
+            + json.dumps({s: round(f / 1e9, 2) for s, f in d["flops_by_stage"].items()
+                          if f is not None}))
+  for key, tr in torch_runs.items():
+    name = key.split("/")[0]
+    lla_row = results["training"][name]
+    print(f"torch {key:24s} {tr['docs']:4d} docs {tr['per_doc_s']:8.3f} s/doc "
+          f"({tr['per_doc_s'] / lla_row['warm_s_per_doc']:.2f} x lla warm), agreement "
+          f"{100 * tr['agreement']:.2f}%")
   result = {
-      "config": {"model": "gpt2_124m_random", "cut": k, "seq_len": t, "batch": b,
-                 "torch_batch": _TORCH_BATCH.value, "budget": budget.to_dict(),
+      "config": {"model": model_name, "cut": k, "seq_len": t, "batch": b,
+                 "torch_batch": _TORCH_BATCH.value, "budget": budget,
                  "devices": str(jax.devices()), "cpu_count": os.cpu_count()},
       "matmul": peak,
-      "lla": {n: {k_: v for k_, v in r.items() if k_ not in ("candidates", "predictions")}
-              for n, r in runs.items()},
+      "lla": results,
       "torch": torch_runs,
-      "torch_extrapolated_to_batch_s": {key: v["per_doc_s"] * b for key, v in torch_runs.items()},
   }
   if _OUT_JSON.value:
     with open(_OUT_JSON.value, "w") as f:

@@ -218,9 +218,9 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
   return True
 
 
-BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sip",
-                   "lla.attacks.bisr_f", "lla.attacks.eia", "lla.attacks.gradmatch",
-                   "lla.attacks.lamp", "lla.attacks.projection_adaptive",
+BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sipit",
+                   "lla.attacks.sip", "lla.attacks.bisr_f", "lla.attacks.eia",
+                   "lla.attacks.gradmatch", "lla.attacks.lamp", "lla.attacks.projection_adaptive",
                    "lla.attacks.mixup_adaptive", "lla.attacks.likelihood_beam",
                    "lla.attacks.nopeek_adaptive", "lla.decoy.modules", "lla.active.attack")
 

@@ -125,6 +125,18 @@ def client_step_kv(params, cfg: GPT2Config, cache: jax.Array, token_t: jax.Array
   return h_t.astype(jnp.float32), kv_t
 
 
+def client_step_embedding(params, cfg: GPT2Config, cache: jax.Array, e_t: jax.Array,
+                          t: jax.Array):
+  """`client_step_kv` from a continuous input embedding e_t [d] in place of wte[token_t].
+
+  Differentiable in e_t: SipIt's gradient policy descends on it.
+  """
+  x_t = e_t + jnp.asarray(params["wpe"]["embedding"])[t]
+  h_t, kv_t = GPT2(cfg).apply({"params": params}, x_t, cache, t, 0, cache.shape[0],
+                              method=GPT2.blocks_step)
+  return h_t.astype(jnp.float32), kv_t
+
+
 def write_cache(cache: jax.Array, kv_t: jax.Array, t: jax.Array) -> jax.Array:
   """cache [k, 2, T_max, H, D] with kv_t [k, 2, H, D] written at position t."""
   return jax.lax.dynamic_update_slice_in_dim(cache, kv_t[:, :, None].astype(cache.dtype), t, axis=2)

@@ -1,0 +1,214 @@
+"""SipIt against an independent float64 numpy brute force, on a tiny random GPT-2.
+
+4 layers, d = 32, a 96-token vocabulary, cut k = 2, 4 documents of T = 6 (one pair shares
+its first token, so position 0's shared search runs). Each test runs the registered attack
+through `registry.execute` (metered, as replay runs it).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lla.attacks import budget as budget_lib
+from lla.attacks import candidates as cand_lib
+from lla.attacks import registry, sipit
+from lla.attacks.workspace import Workspace
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+
+from test_attacks_units import np_client, random_params
+
+CFG = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_head=4, n_layer=4)
+K, B, T, N_CAL = 2, 4, 6, 8
+
+
+@pytest.fixture(scope="module")
+def case():
+  params = random_params(CFG, seed=0)
+  rng = np.random.default_rng(0)
+  truth = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+  truth[3, 0] = truth[1, 0]
+  cal = rng.integers(0, CFG.vocab_size, (N_CAL, T)).astype(np.int32)
+  h, g = split.boundary_messages(params, CFG, jnp.asarray(truth), K)
+  return params, truth, cal, np.asarray(h), np.asarray(g)
+
+
+def run(case, gradients="capture", params=None, memory=2 << 30, activations=None,
+        calibration=None, **budget):
+  capture_params, _, cal, h, g = case
+  if isinstance(gradients, str):
+    gradients = {"capture": g, "none": None}[gradients]
+  ws = Workspace(h if activations is None else activations, gradients,
+                 capture_params if params is None else params, CFG, K,
+                 cal if calibration is None else calibration, memory_budget_bytes=memory)
+  return registry.execute("sipit", ws, budget, jax.random.key(0))
+
+
+def numpy_greedy(params, h: np.ndarray) -> np.ndarray:
+  """Position by position, the token whose float64 client output is nearest to h_t given
+  the tokens chosen before it: the whole vocabulary is scanned at every position."""
+  out = np.zeros(h.shape[:2], np.int32)
+  vocab = np.arange(CFG.vocab_size)
+  for b in range(h.shape[0]):
+    for t in range(h.shape[1]):
+      tokens = np.concatenate([np.repeat(out[b:b + 1, :t], CFG.vocab_size, 0), vocab[:, None]], 1)
+      dist = np.sum((np_client(params, CFG, tokens, K)[:, t] - h[b, t]) ** 2, -1)
+      out[b, t] = int(np.argmin(dist))
+  return out
+
+
+@pytest.fixture(scope="module")
+def brute(case):
+  params, _, _, h, _ = case
+  return numpy_greedy(params, h)
+
+
+@pytest.mark.parametrize("budget", [
+    {},                                                         # proposals
+    {"sipit_ridge_candidates": 0, "sipit_gradient_candidates": 0},  # the refinement
+    {"sipit_ridge_candidates": 0, "sipit_gradient_candidates": 0, "sipit_refine_iters": 0},
+    {"sipit_ridge_candidates": 0, "sipit_gradient_candidates": 0, "sipit_refine_iters": 0,
+     "sipit_max_iters": 0, "sipit_brute_chunk": 16},            # brute force alone
+])
+def test_sipit_equals_brute_force(case, brute, budget):
+  _, truth, _, _, _ = case
+  np.testing.assert_array_equal(brute, truth)  # the reference itself recovers the text
+  result, charge = run(case, **budget)
+  np.testing.assert_array_equal(result.predictions, brute)
+  details = result.details
+  assert details["exact"] and details["acceptance_rate"] == 1.0
+  assert details["fallback_positions"] == 0 and details["fallback"] == ""
+  # A wrong token is far outside the calibrated tolerance; the true one well inside.
+  assert details["accepted_max_distance"] <= details["tolerance"]
+  assert 0 < details["calibration_discrepancy"] < details["tolerance"] < 1e-3
+  assert details["resolved_by_stage"]["shared_position0"] == 1
+  if budget.get("sipit_max_iters") == 0:
+    assert details["resolved_by_stage"]["brute_force"] == B * T - 1
+    assert details["runner_up_margin"] > 100
+  elif "sipit_refine_iters" in budget:
+    assert details["resolved_by_stage"]["policy"] == B * T - 1
+  elif budget:
+    assert details["resolved_by_stage"]["refine"] == B * T - 1
+  # Every stage it used is charged; the XLA count agrees with the analytic one.
+  expected = {"ridge"} | ({"gradient_ranking", "activation_candidates"} if not budget else set())
+  assert set(charge.stages) == expected
+  assert charge.flops_source == "xla"
+  assert 0.5 < charge.flops / charge.flops_analytic < 2.0
+  assert result.predictions.dtype == np.int32
+
+
+@pytest.mark.parametrize("misled", ["gradient_proposals", "policy"])
+def test_sipit_terminates_through_brute_force(case, misled):
+  """Proposals that miss (gradients deranged across documents), or a policy that starts
+  from a useless decoder (fitted on one calibration document) and cannot move: every
+  position still ends, exactly, through the brute-force scan."""
+  _, truth, cal, _, g = case
+  if misled == "gradient_proposals":
+    result, _ = run(case, gradients=g[cand_lib.derangement(B, 3)], sipit_ridge_candidates=0,
+                    sipit_gradient_candidates=2, sipit_refine_iters=0, sipit_max_iters=0,
+                    sipit_brute_chunk=16)
+  else:
+    result, _ = run(case, gradients="none", calibration=cal[:1], sipit_ridge_candidates=0,
+                    sipit_refine_iters=0, sipit_max_iters=1, sipit_step_size=1e-9,
+                    sipit_brute_chunk=16)
+    assert result.details["max_policy_iterations"] == 1
+  np.testing.assert_array_equal(result.predictions, truth)
+  details = result.details
+  assert details["exact"]
+  resolved = details["resolved_by_stage"]
+  assert resolved["brute_force"] >= 0.8 * B * T, resolved
+  by_stage = details["mean_verified_per_position_by_stage"]
+  assert by_stage["brute_force"] > 1
+  assert by_stage["proposals" if misled == "gradient_proposals" else "policy"] >= 0.8, by_stage
+
+
+def test_sipit_trained_knowledge_falls_back_to_nearest(case):
+  """Attacker weights that differ from the client's: nothing is accepted, the record says
+  so, and each position takes the vocabulary's nearest token (float64 reference)."""
+  params, truth, _, h, _ = case
+  rng = np.random.default_rng(1)
+  perturbed = jax.tree_util.tree_map(
+      lambda x: x + 1e-3 * rng.standard_normal(x.shape).astype(np.float32), params)
+  result, _ = run(case, params=perturbed, sipit_refine_iters=2, sipit_max_iters=2,
+                  sipit_brute_chunk=16)
+  details = result.details
+  assert details["acceptance_rate"] == 0.0 and not details["exact"]
+  assert details["fallback_positions"] == B * T
+  assert details["resolved_by_stage"]["shared_position0"] == 0
+  assert "nearest candidate" in details["fallback"]
+  assert details["mean_verified_per_position"] == pytest.approx(CFG.vocab_size * (B * T - 1)
+                                                                / (B * T))
+  np.testing.assert_array_equal(result.predictions, numpy_greedy(perturbed, h))
+  assert np.mean(result.predictions == truth) >= 0.9  # small perturbation: still close
+
+
+def test_sipit_deterministic_and_chunking_invariant(case):
+  # A decoder fitted on two calibration documents is poor, so that every stage runs.
+  budget = {"sipit_gradient_candidates": 0, "sipit_refine_iters": 2, "sipit_max_iters": 2,
+            "sipit_brute_chunk": 16}
+  cal = case[2][:2]
+  first, _ = run(case, calibration=cal, **budget)
+  again, _ = run(case, calibration=cal, **budget)
+  one_doc_chunks, _ = run(case, calibration=cal, memory=1, **budget)
+  by_stage = first.details["mean_verified_per_position_by_stage"]
+  assert all(count > 0 for count in by_stage.values()), by_stage
+  np.testing.assert_array_equal(first.predictions, case[1])
+  for other in (again, one_doc_chunks):
+    np.testing.assert_array_equal(other.predictions, first.predictions)
+    for key in ("resolved_by_stage", "mean_verified_per_position_by_stage", "tolerance",
+                "runner_up_margin"):
+      assert other.details[key] == first.details[key], key
+  assert again.details == first.details
+
+
+def test_sipit_nan_raises_naming_position_and_document(case):
+  _, _, _, h, _ = case
+  bad = h.copy()
+  bad[1, 2] = np.nan
+  with pytest.raises(FloatingPointError, match="position 2, iteration 0, document 1"):
+    run(case, activations=bad)
+
+
+def test_sipit_declares_its_budget():
+  spec = registry.get("sipit").spec
+  assert spec.requires == ("activations",) and spec.family == "sequential_inversion"
+  fields = budget_lib.fields()
+  for name in spec.budget_fields:
+    assert name in fields and fields[name].doc
+  assert budget_lib.get("sipit_step_size").default == 1.0  # official CLI default
+  with pytest.raises(budget_lib.BudgetError, match="sipit_batch"):
+    budget_lib.validate({"sipit_batch": 0}, [spec], CFG.vocab_size)
+  assert {check[1].split("::")[1] for check in spec.checks} <= set(globals())
+  assert sipit.merge_proposals(None, None, 2, 1)[0].shape == (1, 2, 0)
+
+
+def test_linearised_order_matches_float64_finite_differences(case):
+  """The brute force's ranking: the client's Jacobian in the input embedding (JVPs) against
+  central differences of the float64 numpy client; the visited token ranks last."""
+  params, truth, _, h, _ = case
+  b, t = 0, 3
+  cache = split.init_cache(CFG, K, T)
+  for s in range(t):
+    _, cache = split.client_step(params, CFG, cache, jnp.int32(truth[b, s]), jnp.int32(s))
+  wte = np.asarray(split.wte(params), np.float64)
+  e = wte[truth[b, t]] + 0.3 * np.random.default_rng(2).standard_normal(CFG.n_embd) * 0.02
+  visited = np.zeros((1, CFG.vocab_size), bool)
+  visited[0, truth[b, t]] = True
+  order = np.asarray(sipit.linearised_order(
+      params, cache[None], jnp.asarray(visited), jnp.asarray(e[None], jnp.float32),
+      jnp.zeros(1, jnp.int32), jnp.int32(t), jnp.asarray(h[b:b + 1, t]), cfg=CFG))
+
+  def client_at(x):  # float64 client output at position t with input embedding x
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    p["wte"]["embedding"] = np.concatenate([p["wte"]["embedding"], x[None]])
+    tokens = np.concatenate([truth[b, :t], [CFG.vocab_size]])[None]
+    return np_client(p, CFG, tokens, K)[0, t]
+
+  step = 1e-5
+  jacobian = np.stack([(client_at(e + step * u) - client_at(e - step * u)) / (2 * step)
+                       for u in np.eye(CFG.n_embd)])
+  error = np.sum(((wte - e) @ jacobian - (h[b, t] - client_at(e))) ** 2, axis=-1)
+  error[truth[b, t]] = np.inf
+  assert order[-1] == truth[b, t]
+  np.testing.assert_array_equal(order[:10], np.argsort(error, kind="stable")[:10])
