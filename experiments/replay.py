@@ -1,13 +1,20 @@
 """Replays registered attacks on a capture and writes predictions and records.
 
   python -m experiments.replay --config=configs/replay.py --config.capture_dir=CAP --workdir=RUN
+
+As one job across processes (each process runs the same command; the capture and the
+attacker's weights must be readable at the same paths on every host; process 0 writes):
+
+  python -m experiments.replay ... --coordinator_address=HOST0:PORT --num_processes=2 \
+      --process_id=$RANK
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from lla import runtime
-from lla.attacks import replay_runner
+from experiments import distributed
+from lla import dist, runtime
+from lla.attacks import replay, replay_runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it exists).",
@@ -17,7 +24,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it ex
 def main(argv):
   del argv
   runtime.configure()
-  records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
+  distributed.initialize()
+  if not dist.is_leader():
+    with dist.following():
+      replay.follow(_CONFIG.value.plugins)
+    return
+  with dist.leading():
+    records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
   for record in records:
     print(f"{record.attack:24s} {record.status:8s} flops={record.flops} wall_s={record.wall_s}")
   crashed = [r.attack for r in records if r.status != "ok"]
