@@ -29,6 +29,8 @@ _RAY_ADDRESS = flags.DEFINE_string(
 _RAY_ACTORS = flags.DEFINE_integer("ray_actors", 0, "Actors (0: one per node).", lower_bound=0)
 _RAY_CPUS = flags.DEFINE_float("ray_cpus_per_actor", 1, "CPUs each actor reserves.")
 _RAY_GPUS = flags.DEFINE_float("ray_gpus_per_actor", 0, "GPUs each actor reserves.")
+_RAY_TPUS = flags.DEFINE_integer("ray_tpu_chips_per_actor", 0,
+                                 "TPU chips each actor reserves (all of its host's).")
 _MAX_RETRIES = flags.DEFINE_integer("max_retries", 3, "Retries of a cell whose worker died.")
 _SUBMITIT_CLUSTER = flags.DEFINE_string(
     "submitit_cluster", None, "submitit cluster: slurm, local or debug (default: slurm if "
@@ -42,7 +44,7 @@ def _backend_options() -> dict:
   if _BACKEND.value == "ray":
     return dict(address=_RAY_ADDRESS.value, actors=_RAY_ACTORS.value,
                 cpus_per_actor=_RAY_CPUS.value, gpus_per_actor=_RAY_GPUS.value,
-                max_retries=_MAX_RETRIES.value)
+                tpu_chips_per_actor=_RAY_TPUS.value, max_retries=_MAX_RETRIES.value)
   if _BACKEND.value == "submitit":
     slurm = {k: v for k, v in (("slurm_partition", _SLURM_PARTITION.value),
                                ("slurm_gpus_per_node", _SLURM_GPUS.value)) if v is not None}

@@ -77,7 +77,7 @@ class Ray:
   """Cells on long-lived Ray actors (see the module doc)."""
 
   def __init__(self, workdir: str, address: str = "", actors: int = 0, cpus_per_actor: float = 1,
-               gpus_per_actor: float = 0, max_retries: int = 3):
+               gpus_per_actor: float = 0, tpu_chips_per_actor: int = 0, max_retries: int = 3):
     import ray  # pylint: disable=g-import-not-at-top
     self._ray = ray
     if not ray.is_initialized():
@@ -86,7 +86,9 @@ class Ray:
     nodes = [n for n in ray.nodes() if n["Alive"]]
     count = actors or len(nodes)
     remote = ray.remote(_CellActor).options(
-        num_cpus=cpus_per_actor, num_gpus=gpus_per_actor, max_restarts=max_retries,
+        num_cpus=cpus_per_actor, num_gpus=gpus_per_actor,
+        resources={"TPU": tpu_chips_per_actor} if tpu_chips_per_actor else None,
+        max_restarts=max_retries,
         max_task_retries=max_retries, scheduling_strategy="SPREAD")
     self._actors = [remote.remote(workdir) for _ in range(count)]
     logging.info("ray: %d actors on %d nodes", count, len(nodes))
