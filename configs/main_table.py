@@ -38,14 +38,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.checkpoint = ""  # Filled by the pre-training phase (workdir/pretrain).
   # The protocol's corpus splits: T = 32, calibration / training / evaluation documents.
   config.data = data.get_config()
-  config.data.n_eval = 256 if paper else (8 if tiny else 128)
+  # tiny: 48, so that the defended captures (a prefix of these) pool 3 x 48 x 32 tokens and
+  # the gate's floor falls below 1 pp: its decisions can be PASS or FAIL, not only
+  # INSUFFICIENT_EVIDENCE (tests/test_e2e_main_table.py asserts them).
+  config.data.n_eval = 256 if paper else (48 if tiny else 128)
   config.data.n_calibration = 32 if not tiny else 16
   config.data.n_train = 128 if not tiny else 16
+  # Pre-training excludes this job's draw (its training and evaluation passages), not the
+  # pre-training config's own: the same ConfigDict, so an override of one is the other.
+  config.pretrain.data = config.data
   # Fine-tuning of the targets (configs/finetune.py); k and train_client_layers are set per
   # experiment, num_models seeds each.
   config.finetune = finetune.get_config("tiny" if tiny else model_name)
   config.finetune.num_models = 10 if paper else 3
   config.finetune.num_epochs = 1 if tiny else 4
+  # tiny: 16 passages in batches of 4, so that the seeds' batch orders differ and the three
+  # fine-tuned models are distinct (one full batch would give three identical models).
+  config.finetune.batch_size = 4 if tiny else 16
   # (cut, knowledge) pairs; "trained" fine-tunes the client layers and the attacker holds
   # the pre-trained ones.
   config.settings = ((3, "public"), (6, "public"), (3, "trained"), (6, "trained")) \
@@ -76,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
   # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
   config.defense_cut = 2 if tiny else 6
-  config.defense_docs = 8 if tiny else (256 if paper else 48)  # Documents per defended capture.
+  config.defense_docs = 48 if not paper else 256  # Documents per defended capture.
   config.defense_attacks = ("activation", "joint")
   # Defense-aware variants (ridge refitted on calibration passed through the mechanism).
   config.defense_aware_attacks = ("activation_defense_aware", "joint_defense_aware") \
@@ -100,5 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
   config.decoy.num_seeds = 9 if paper else 3
   config.scoring = scoring.get_config()
-  config.memory_budget_mb = 1024 if not paper else 16384  # Per-chunk attack working set.
+  # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
+  # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
+  config.memory_budget_mb = 1024 if not paper else 16384
   return config

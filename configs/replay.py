@@ -45,5 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # links prefix + its name.
   config.reference_prefix = ""
   config.run_prefix = ""  # Prefix of each record's run_id.
-  config.memory_budget_mb = 2048  # Per-chunk working set; documents are chunked to fit.
+  # Per-chunk working set on CPU; documents are chunked to fit. On GPU and TPU chunks are
+  # sized from the devices' free memory instead (lla.attacks.memory.chunk_budget_bytes).
+  config.memory_budget_mb = 2048
   return config

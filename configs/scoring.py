@@ -41,7 +41,11 @@ def get_config(arg=None):
        "reason": "ridge inversion reads activations only"},
       {"family": "gradient_heuristic", "observation": "activations",
        "reason": "the heuristic reads gradients only"},
-  )
+  ) + tuple(
+      {"family": family, "defense": defense,
+       "reason": "decoy-row attacks read the frames of the decoy-row split only"}
+      for family in ("decoy_structural", "decoy_content")
+      for defense in c.threat_space.defenses if defense != "decoy_rows")
   # Threat classes outside the grid, listed as unmeasured until measured.
   c.threat_space.declared_unmeasured = coverage.PROTOCOL_DECLARED_UNMEASURED
   # Secondary (treatment, control) contrasts at the primary test's cut and

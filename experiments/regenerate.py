@@ -1,13 +1,17 @@
 """Recomputes a run's predictions from its pinned inputs and compares them bit for bit.
 
   python -m experiments.regenerate --workdir=RUN [--plugins=pkg.module,...]
+
+Beside the verdict it names every difference between the provenance the records carry
+(jax / jaxlib / numpy / Python versions, XLA flags, numeric jax config, device kind and
+count, commit) and this machine's: the usual cause of a mismatch on another machine.
 """
 
 import sys
 
 from absl import app, flags
 
-from lla import runtime
+from lla import provenance, runtime
 from lla.attacks import regenerate, registry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run (or study) directory.", required=True)
@@ -18,12 +22,22 @@ def main(argv):
   del argv
   runtime.configure()
   registry.load_plugins(_PLUGINS.value)
-  problems = regenerate.regenerate(_WORKDIR.value)
-  for problem in problems:
+  result = regenerate.check(_WORKDIR.value)
+  for problem in result.problems:
     print(f"MISMATCH {problem}")
-  if problems:
+  for skipped in result.skipped:
+    print(f"SKIPPED {skipped}")
+  for line in result.provenance:
+    kind = "PROVENANCE" if provenance.numeric(line) else "PROVENANCE (checkout only)"
+    print(f"{kind} {line}")
+  verdict = ("every prediction regenerated bit for bit" if not result.problems else
+             f"{len(result.problems)} prediction file(s) differ")
+  where = (f"; {len(result.provenance)} provenance difference(s) listed above"
+           if result.provenance else "; same provenance as recorded")
+  if result.problems:
+    print(f"FAIL {_WORKDIR.value}: {verdict}{where}")
     sys.exit(1)
-  print(f"OK {_WORKDIR.value}: every prediction regenerated bit for bit")
+  print(f"OK {_WORKDIR.value}: {verdict}{where}")
 
 
 if __name__ == "__main__":

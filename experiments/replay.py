@@ -2,6 +2,12 @@
 
   python -m experiments.replay --config=configs/replay.py --config.capture_dir=CAP --workdir=RUN
 
+The run directory is sealed (log sealed, manifest written) when the command ends, so
+`experiments.verify` passes at once; replaying more attacks into it later reopens and
+reseals it. A bad input (budget, calibration tokens, capture, attack name) is one line on
+stderr and a non-zero exit, with the run directory untouched. An attack that crashed is
+recorded as unmeasured, the others are kept, and the exit status is non-zero.
+
 As one job across processes (each process runs the same command; the capture and the
 attacker's weights must be readable at the same paths on every host; process 0 writes):
 
@@ -14,11 +20,15 @@ from ml_collections import config_flags
 
 from experiments import distributed
 from lla import dist, runtime
-from lla.attacks import replay, replay_runner
+from lla.attacks import budget, registry, replay, replay_runner
+from lla.capture import store
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it exists).",
                                required=True)
+# Inputs that can be checked before anything runs; anything else is a bug and keeps its trace.
+_INPUT_ERRORS = (replay.ReplayInputError, budget.BudgetError, registry.IncompatibleCaptureError,
+                 registry.PluginError, store.CaptureError, FileNotFoundError)
 
 
 def main(argv):
@@ -29,14 +39,19 @@ def main(argv):
     with dist.following():
       replay.follow(_CONFIG.value.plugins)
     return
-  with dist.leading():
-    records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
+  try:
+    with dist.leading():
+      records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
+  except _INPUT_ERRORS as e:
+    raise SystemExit(f"error: {e}") from None
+  except KeyError as e:  # An unknown attack name.
+    raise SystemExit(f"error: {e.args[0]}") from None
   for record in records:
     print(f"{record.attack:24s} {record.status:8s} flops={record.flops} wall_s={record.wall_s}")
   crashed = [r.attack for r in records if r.status != "ok"]
   if crashed:
     raise SystemExit(f"{_WORKDIR.value}: {len(crashed)} attack(s) crashed (recorded as "
-                     f"unmeasured): {', '.join(crashed)}")
+                     f"unmeasured, the rest kept): {', '.join(crashed)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@ r"""Verifies every hash of a run directory and names what changed.
   python -m experiments.verify --workdir=runs/k6_public
 
 Exits non-zero if any file changed, is missing or extra, the log chain is
-broken, or a record's prediction, protocol or capture hash does not match.
+broken or unsealed, a file differs from the sha256 the hash-chained log recorded
+when it was written (so a prediction rewritten together with its record's hash
+and the manifest is caught), an extended run changed between a seal and its
+reopen, or a record's prediction, protocol, truth or capture hash does not match.
+Each problem is one line naming the file (docs/run_format.md).
 """
 
 from absl import app

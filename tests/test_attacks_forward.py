@@ -134,7 +134,7 @@ def test_sip_trains_and_beats_the_baseline(setup, results):
     assert d["selected_epoch"] == int(np.argmax(held)) + 1
     accuracy = np.mean(result.predictions == tokens)
     assert accuracy > p0 + 0.4, (name, accuracy, p0)
-    assert set(charge.stages) == {f"sip_{result.details['variant']}"}
+    assert set(charge.stages) == {f"sip_{result.details['variant']}", "calibration_activations"}
     assert charge.flops_source == "xla"
     assert 0.5 < charge.flops / charge.flops_analytic < 2.0, (name, charge)
 
@@ -150,7 +150,7 @@ def test_bisr_f_lowers_its_loss_and_beats_the_baseline(setup, results):
   sip_accuracy = np.mean(out["sip"][0].predictions == tokens)
   assert accuracy > max(sip_accuracy, baseline_rate(attacker, tokens)) + 0.05, (accuracy,
                                                                                  sip_accuracy)
-  assert set(charge.stages) == {"sip_gru"}
+  assert set(charge.stages) == {"sip_gru", "calibration_activations"}
   assert 0.5 < charge.flops / charge.flops_analytic < 2.0, charge
 
 
@@ -172,7 +172,7 @@ def test_eia_mapper_trains_and_matches_after_block_one(setup):
   budget = {**BUDGET, "eia_mapper": True, "eia_mapper_epochs": 3, "eia_steps": 20}
   result, charge = registry.execute("eia", ws, budget, jax.random.key(0))
   assert result.details["mapper"] and result.details["matched_blocks"] == 1
-  assert set(charge.stages) == {"eia_mapper"}
+  assert set(charge.stages) == {"eia_mapper", "calibration_activations"}
   assert result.details["loss_final"] < result.details["loss_first"]
   # The mapper beats the best constant map on held-out (captured) messages.
   mapped = np.asarray(eia._apply_mapper(ws._cache["eia_mapper"][0], jnp.asarray(ws.activations)))
@@ -231,14 +231,16 @@ def run(setup, name, attacks, budget=BUDGET, **kw):
 
 
 def prediction_bytes(run_dir) -> dict[str, bytes]:
-  return {p.stem: p.read_bytes() for p in sorted((pathlib.Path(run_dir) / "predictions").glob("*.npy"))}
+  files = sorted((pathlib.Path(run_dir) / "predictions").glob("*.npy"))
+  return {p.stem: p.read_bytes() for p in files}
 
 
 def test_replay_is_deterministic_and_chunking_invariant(setup):
   root, _, _ = setup
   records = run(setup, "run_a", ATTACKS)
   assert [r.status for r in records] == ["ok"] * len(ATTACKS)
-  assert records[2].stages.keys() == {"sip_gru"} and records[2].details["steps_run"] == 60
+  assert records[2].stages.keys() == {"sip_gru", "calibration_activations"}
+  assert records[2].details["steps_run"] == 60
   run(setup, "run_b", ATTACKS)
   run(setup, "run_chunk", ["bisr_f", "eia"], memory_budget_bytes=1)  # one document a chunk
   a = prediction_bytes(root / "run_a")
@@ -274,7 +276,8 @@ def test_replay_binary_takes_the_new_attacks_and_fields(setup, tmp_path):
              for p in (tmp_path / "run" / "records").glob("*.json")}
   assert sorted(records) == ["eia", "sip"]
   assert all(r["status"] == "ok" for r in records.values())
-  assert records["eia"]["budget"]["eia_steps"] == 20 and records["eia"]["details"]["steps_run"] == 20
+  assert records["eia"]["budget"]["eia_steps"] == 20
+  assert records["eia"]["details"]["steps_run"] == 20
   assert records["sip"]["budget"]["sip_epochs"] == 2 and len(
       records["sip"]["details"]["train_loss_per_epoch"]) == 2
   bad = cmd[:-1] + ["--config.budget.bisr_f_steps=3", f"--workdir={tmp_path / 'bad'}"]

@@ -181,7 +181,8 @@ def test_crashed_module_is_recorded_and_retried(setup, tmp_path, monkeypatch):
   assert [r.status for r in records] == ["ok", "ok"]
   assert tree_state(run_dir)["predictions/ridge.npy"] == ridge_state
   retries = [e for e in log_events(run_dir) if e["type"] == "retry"]
-  assert retries == [{"type": "retry", "attack": "boom_test", "previous_status": "crashed"}]
+  assert retries == [{"type": "retry", "attack": "boom_test", "file": "records/boom_test.json",
+                      "previous_status": "crashed"}]
   monkeypatch.delitem(registry._REGISTRY, "boom_test")
   assert "boom_test" not in registry.names()
 
@@ -228,14 +229,130 @@ def test_sharded_replay_matches_single_device(setup, reference_run):
   assert prediction_bytes(root / "run_sharded") == reference
 
 
-def _replay_binary(root, capture_dir, workdir, attacks):
+def _replay_binary(root, capture_dir, workdir, attacks, *extra, env=None, test_budget=True):
   cmd = [sys.executable, "-m", "experiments.replay", "--config=configs/replay.py",
          f"--config.capture_dir={capture_dir}", f"--config.attacker.hf_dir={root / 'hf'}",
          f"--config.calibration.tokens_npy={root / 'cal.npy'}", f"--config.attacks={attacks}",
-         "--config.budget.candidates=8", "--config.budget.c_a=4", "--config.budget.c_g=4",
-         f"--workdir={workdir}"]
+         *(f"--config.budget.{k}={v}" for k, v in relevant(budget(), [
+             a for a in attacks.split(",") if a in registry.names()]).items() if test_budget),
+         f"--workdir={workdir}", *extra]
   return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
+
+
+def _binary(module, *args):
+  return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args],
+                        capture_output=True, text=True, cwd=REPO, timeout=300,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+_BOOM_PLUGIN = textwrap.dedent("""
+    from lla.attacks import registry
+
+    class Boom:
+      spec = registry.AttackSpec("boom_plugin", "test", ("activations",))
+
+      def __call__(self, ws, budget, key):
+        raise RuntimeError("deliberate failure inside boom_plugin")
+
+    registry.register(Boom())
+""")
+
+
+def test_replay_binary_seals_its_run_and_a_later_replay_extends_it(setup, tmp_path):
+  """README flow: replay -> verify -> rescore, then a second replay adds attacks (one of
+  which crashes: non-zero exit, the rest kept) and the run verifies again. The budget is
+  the default one throughout: E covers every budget field, so extending a run keeps it."""
+  root, _, _ = setup
+  workdir = tmp_path / "run"
+  proc = _replay_binary(root, root / "cap", workdir, "ridge", test_budget=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  proc = _binary("verify", f"--workdir={workdir}")
+  assert proc.returncode == 0 and f"OK {workdir}: every hash verifies" in proc.stdout, proc.stdout
+  proc = _binary("rescore", f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert rundir.verify(str(workdir)) == []
+
+  plugins = tmp_path / "plugins"
+  plugins.mkdir()
+  (plugins / "lla_boom_plugin.py").write_text(_BOOM_PLUGIN)
+  proc = _replay_binary(root, root / "cap", workdir, "gradient_only,boom_plugin",
+                        "--config.plugins=lla_boom_plugin", test_budget=False,
+                        env={"PYTHONPATH": f"{REPO}:{plugins}"})
+  assert proc.returncode != 0
+  assert "1 attack(s) crashed (recorded as unmeasured, the rest kept): boom_plugin" in proc.stderr
+  assert files.read_json(str(workdir / "records" / "gradient_only.json"))["status"] == "ok"
+  assert files.read_json(str(workdir / "records" / "boom_plugin.json"))["error"] == (
+      "RuntimeError: deliberate failure inside boom_plugin")
+  assert rundir.verify(str(workdir)) == []
+  kinds = [e["type"] for e in log_events(workdir)]
+  assert kinds.count("seal") == 3 and kinds.count("reopen") == 2 and kinds[-1] == "seal"
+  # The scorecard predates the new records: rescore rebuilds it (and reseals the run).
+  proc = _binary("rescore", f"--workdir={workdir}")
+  assert proc.returncode == 0 and "3 record/prediction file(s) written since" in proc.stdout, \
+      proc.stdout + proc.stderr[-2000:]
+  card = files.read_json(str(workdir / rundir.SCORECARD_JSON))
+  # The plugin is not registered in the rescoring process: listed as unplaced, visibly.
+  assert card["coverage"]["unplaced"] == [{
+      "run_id": "boom_plugin", "reason": "module 'boom_plugin' not in the registry list"}]
+  assert "- boom_plugin: module 'boom_plugin' not in the registry list" in (
+      workdir / rundir.SCORECARD_MD).read_text()
+  proc = _binary("verify", f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stdout
+
+
+def test_coverage_places_every_replayed_attack(reference_run):
+  """score_run without `modules` takes the registry's entries: the undefended public
+  capture's cells are measured (1 seed: partial), nothing is unplaced."""
+  from configs import scoring as scoring_config  # pylint: disable=g-import-not-at-top
+  from lla.scoring import scorecard  # pylint: disable=g-import-not-at-top
+  run_dir = reference_run[0].parent / "run_coverage"  # beside the capture it names
+  shutil.copytree(reference_run[0], run_dir)
+  card = scorecard.score_run(str(run_dir), scoring_config.get_config())
+  status = {(c["family"], c["observation"]): (c["status"], c["reason"])
+            for c in card["coverage"]["cells"]
+            if c["knowledge"] == "public" and c["defense"] == "none"}
+  partial = ("partial", "1 seed(s) < 3")
+  assert status[("beam_inversion", "activations")] == partial       # activation, random fill
+  assert status[("beam_inversion", "activations+gradients")] == partial   # joint, shuffled
+  assert status[("ridge", "activations")] == partial
+  assert status[("gradient_heuristic", "gradients")] == partial
+  assert status[("gradient_matching", "gradients")] == ("unmeasured", "no module was run")
+  assert card["coverage"]["unplaced"] == []
+  assert card["coverage"]["counts"]["unmeasured"] < card["coverage"]["in_scope"]
+
+
+def test_replay_binary_bad_inputs_are_one_line_errors(setup, reference_run, tmp_path):
+  """Each bad value: one line naming the field and its allowed range, non-zero exit, and
+  the run directory exactly as it was."""
+  root, attacker, _ = setup
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run[0], workdir)
+  rundir.finalize(str(workdir))
+  before = tree_state(workdir)
+  cal = attacker.calibration_tokens.copy()
+  for name, value in (("cal_high.npy", CFG.vocab_size), ("cal_negative.npy", -3)):
+    bad = cal.copy()
+    bad[2, 5] = value
+    np.save(tmp_path / name, bad)
+  range_ids = f"error: calibration token ids must lie in [0, {CFG.vocab_size}), got ["
+  cases = [  # (flags, the line's start, its end)
+      (("--config.budget.beam_width=-1",), "error: budget field beam_width=-1 is not allowed: "
+       "expected [1, vocab_size] (int)", ""),
+      (("--config.budget.candidates=0",), "error: budget field candidates=0 is not allowed: "
+       "expected [1, vocab_size] (int)", ""),
+      ((f"--config.calibration.tokens_npy={tmp_path / 'cal_high.npy'}",), range_ids,
+       f", {CFG.vocab_size}]"),
+      ((f"--config.calibration.tokens_npy={tmp_path / 'cal_negative.npy'}",), range_ids + "-3, ",
+       "]"),
+  ]
+  for extra, start, end in cases:
+    proc = _replay_binary(root, root / "cap", workdir, "activation", *extra)
+    assert proc.returncode != 0, extra
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(start) and last.endswith(end), (extra, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert tree_state(workdir) == before
 
 
 def test_replay_binary_refuses_bad_inputs_and_keeps_the_run(setup, reference_run, tmp_path):
@@ -309,4 +426,62 @@ def test_replay_refuses_bad_inputs_in_process(setup, reference_run, tmp_path):
                   seed=0, mesh=None)
   with pytest.raises(KeyError, match="no attack named 'nope'"):
     run(root, attacker, str(workdir), attacks=["nope"])
+  assert tree_state(workdir) == before
+
+
+def test_regenerate_names_provenance_differences(setup, tmp_path):
+  """A record made under another stack: the verdict stands, and every difference is named."""
+  root, attacker, _ = setup
+  from lla.model.checkpoint import params_sha256  # pylint: disable=g-import-not-at-top
+  attacker = dataclasses.replace(attacker, model_id=params_sha256(attacker.params))
+  run_dir = root / "run_provenance"
+  run(root, attacker, "run_provenance", attacks=["ridge"])
+  path = run_dir / "records" / "ridge.json"
+  record = files.read_json(str(path))
+  record["provenance"].update(jax_version="0.4.30", xla_flags="--xla_cpu_enable_fast_math=true")
+  record["provenance"]["jax_config"]["jax_default_matmul_precision"] = "bfloat16"
+  del record["provenance"]["jaxlib_version"]
+  path.unlink()
+  files.atomic_write_json(str(path), record)
+  proc = _binary("regenerate", f"--workdir={run_dir}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  assert [l for l in lines if l.startswith("PROVENANCE ")] == [
+      "PROVENANCE jax_config.jax_default_matmul_precision: recorded 'bfloat16', now None "
+      "(first in record 'ridge')",
+      f"PROVENANCE jax_version: recorded '0.4.30', now '{jax.__version__}' (first in record "
+      "'ridge')",
+      f"PROVENANCE jaxlib_version: not recorded, now '{jaxlib.__version__}' (first in record "
+      "'ridge')",
+      "PROVENANCE xla_flags: recorded '--xla_cpu_enable_fast_math=true', now '' (first in "
+      "record 'ridge')"]
+  assert lines[-1] == (f"OK {run_dir}: every prediction regenerated bit for bit; 4 provenance "
+                       "difference(s) listed above")
+
+
+def test_replay_into_a_run_of_other_inputs_is_refused_naming_them(setup, reference_run,
+                                                                  tmp_path):
+  """Other calibration tokens of the same shape, other attacker weights, another capture:
+  each differs in the E component that covers it, and nothing is written."""
+  root, attacker, _ = setup
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run[0], workdir)
+  before = tree_state(workdir)
+  other_cal = dataclasses.replace(attacker,
+                                  calibration_tokens=attacker.calibration_tokens[::-1].copy())
+  other_weights = dataclasses.replace(attacker, model_id="f" * 64)
+
+  def other_session(d):
+    metadata = files.read_json(str(d / store.METADATA_FILE))
+    files.atomic_write_json(str(d / store.METADATA_FILE), dict(metadata, session_id="other"),
+                            overwrite=True)
+  other_capture = _corrupt(root, tmp_path, "cap_other_session", other_session)
+  cases = [(other_cal, root / "cap", r"another protocol tuple \(differs in K.calibration_sha256\)"),
+           (other_weights, root / "cap", r"another protocol tuple \(differs in K.weights_sha256\)"),
+           (attacker, other_capture, r"ridge.json was made from another capture \(../cap\)")]
+  for who, capture_dir, message in cases:
+    with pytest.raises(replay.ReplayInputError, match=message):
+      replay.replay(str(workdir), str(capture_dir), who, ATTACKS, budget(), seed=0, mesh=None)
   assert tree_state(workdir) == before

@@ -179,3 +179,13 @@ def test_capture_target_is_deterministic_and_validates(tmp_path):
   with pytest.raises(ValueError, match="tokens must be"):
     capture.capture_target(str(tmp_path / "x"), params, cfg, tokens.astype(float), range(4), 1,
                            model_id="m")
+
+
+def test_reuse_compares_the_stored_target(good):
+  directory, sha = good
+  never = lambda d: pytest.fail("a finished capture must be reused, not rewritten")
+  assert store.reuse_or_write(directory, never, expected={"T.model_id": "m", "T.cut": 2}) == sha
+  with pytest.raises(store.CaptureError, match=r"capture there is of another target: differs "
+                     r"in T.cut \(stored 2, expected 3\); T.model_id \(stored 'm', expected "
+                     r"'other'\)"):
+    store.reuse_or_write(directory, never, expected={"T.model_id": "other", "T.cut": 3})

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from configs import main_table as main_table_config
@@ -50,17 +51,65 @@ def test_study_verifies_and_rescores(finished):
 
 
 def test_predictions_regenerate_bit_for_bit(finished):
-  _, workdir, _ = finished
-  assert regenerate.regenerate(str(workdir / main_table.STUDY)) == []
+  config, workdir, _ = finished
+  result = regenerate.check(str(workdir / main_table.STUDY))
+  assert result.problems == [] and result.provenance == []
+  # The decoy-row records are produced by their own driver, not replay: listed, not redone.
+  n_decoy = config.decoy.num_seeds * 2 * (1 + 3 * len(config.decoy.probe.classifiers))
+  assert len(result.skipped) == n_decoy
+  assert all(s.startswith("decoy/") and "runs in its own driver" in s for s in result.skipped)
 
 
-def test_gates_decide_every_defense_with_three_seeds(finished):
+# Decisions of the tiny main job: 3 fine-tuned models x 48 documents per defended capture,
+# so that the floor (about 0.7 pp) allows PASS and FAIL. The decoy-row configurations have
+# no undefended run of their family (the decoy experiment's positive control is its own
+# leak injection), so the scorecard policy cannot decide them.
+# Measured (envelope pp, floor 0.81 pp): projection -3.9; gaussian 1.5, topk 2.6, quantize
+# 44, mixup 30, gradient_clip_noise 94, nopeek 96; decoy rows 40 (no mitigation), 0.3.
+TINY_DECISIONS = {
+    "projection_enabledTrue": "PASS",
+    "gaussian_sigma0.3": "FAIL", "topk_sparsity0.75": "FAIL", "quantize_bits2": "FAIL",
+    "mixup_m2": "FAIL", "gradient_clip_noise_clip_norm0.01": "FAIL", "nopeek_alpha1.0": "FAIL",
+    "decoy_rows/none": "INSUFFICIENT_EVIDENCE", "decoy_rows/mitigated": "INSUFFICIENT_EVIDENCE",
+}
+
+
+def test_tiny_gates_decide(finished):
   _, workdir, _ = finished
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
-  assert card["gates"], "no defended configuration was gated"
+  decisions = {g["config"]["defense_params"].get("label") or
+               f"decoy_rows/{g['config']['defense_params']['mitigation']}": g["decision"]
+               for g in card["gates"]}
+  assert decisions == TINY_DECISIONS
   for gate in card["gates"]:
-    assert gate["decision"] in ("PASS", "FAIL", "INSUFFICIENT_EVIDENCE")
     assert gate["n_seeds"] == 3
+    if gate["config"]["defense"] == "decoy_rows":
+      assert any("no positive control" in r for r in gate["reasons"]), gate["reasons"]
+    else:
+      assert gate["envelope"]["floor_pp"] < 1.0, gate["envelope"]
+  # The policy's primary test is at k = 6; tiny has k = 2 only: not evaluated, and says why.
+  (primary,) = card["contrasts"]["primary"]
+  assert primary == {"evaluated": False, "reason": "no measured joint/activation records at "
+                     "cut 6, public knowledge"}
+
+
+def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
+  _, workdir, _ = finished
+  card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
+  quality = card["qualification"]
+  assert quality["activation"]["reference_consistency"]["status"] == "pass"
+  assert quality["activation"]["real_model"]["status"] == "pass"
+  # Refitting on the defended calibration beats the unaware attack except under mixup.
+  adaptation = quality["activation_defense_aware"]["adaptation"]
+  assert {e["detail"].split()[0]: e["status"] for e in adaptation["evidence"]} == {
+      "gaussian_sigma0.3": "pass", "mixup_m2": "partial", "projection_enabledTrue": "pass",
+      "quantize_bits2": "pass", "topk_sparsity0.75": "pass"}
+  assert adaptation["status"] == "partial"
+  cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
+           if c["defense"] == "decoy_rows" and c["knowledge"] == "trained"}
+  assert cells[("decoy_structural", "gradients")] == "covered"
+  assert cells[("decoy_content", "activations+gradients")] == "covered"
+  assert card["coverage"]["unplaced"] == []
 
 
 def test_rerun_of_a_finished_study_only_renders(finished):
@@ -69,3 +118,93 @@ def test_rerun_of_a_finished_study_only_renders(finished):
   assert main_table.run(config, str(workdir)) == report
   after = {p: p.stat().st_mtime_ns for p in (workdir / main_table.STUDY).rglob("*") if p.is_file()}
   assert before == after
+
+
+# --- A synthetic scored study beside it: every decision path with known answers --------
+#
+# Predictions hit exactly a chosen number of the 32 tokens of each of 64 documents
+# (lla.scoring.synthetic), on 3 models at k = 6, public knowledge (the policy's primary
+# setting). The study is scored by the main job's own scoring phase and rendered by its
+# report, so the decisions below are the main job's, on inputs whose answers are known:
+#   projection  0 hits under the defense, a strong undefended control  -> PASS
+#   gaussian    20 of 32 hits under the defense                       -> FAIL
+#   mixup       0 hits, but only 2 of the 3 models                    -> INSUFFICIENT_EVIDENCE
+#   primary     joint 31 vs activation 28 (+-1 per document)          -> met (lower bound > 2 pp)
+
+SYNTHETIC_DECISIONS = {"projection": "PASS", "gaussian": "FAIL",
+                       "mixup": "INSUFFICIENT_EVIDENCE"}
+
+
+def _synthetic_specs():
+  from lla.scoring import synthetic as syn  # pylint: disable=g-import-not-at-top
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 28, m, jitter=1),
+              syn.Spec("joint", "beam_inversion", 31, m, jitter=1),
+              syn.Spec("shuffled_gradients", "beam_inversion", 28, m, jitter=1),
+              syn.Spec("activation", "beam_inversion", 0, m, defense="projection"),
+              syn.Spec("joint", "beam_inversion", 0, m, defense="projection"),
+              syn.Spec("activation", "beam_inversion", 20, m, defense="gaussian")]
+    if m < 2:
+      specs.append(syn.Spec("activation", "beam_inversion", 0, m, defense="mixup"))
+  return specs
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+  from lla.scoring import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  from lla.scoring import synthetic as syn  # pylint: disable=g-import-not-at-top
+  from lla.study import report as report_lib  # pylint: disable=g-import-not-at-top
+  config = main_table_config.get_config("tiny")
+  workdir = tmp_path_factory.mktemp("synthetic")
+  syn.make_capture(str(workdir / "captures" / "cap"), syn.truth_tokens(docs=64))
+  study = workdir / main_table.STUDY
+  syn.make_run(str(study), str(workdir / "captures" / "cap"), _synthetic_specs(),
+               policy_lib.load_policy(config.scoring.policy).sha256, finalize=False)
+  card = main_table.score(config, study)
+  rundir.finalize(str(study))
+  return config, workdir, card, report_lib.render(config, workdir)
+
+
+def test_synthetic_study_decisions(synthetic):
+  _, _, card, _ = synthetic
+  decisions = {g["config"]["defense"]: g["decision"] for g in card["gates"]}
+  assert decisions == SYNTHETIC_DECISIONS
+  reasons = {g["config"]["defense"]: g["reasons"] for g in card["gates"]}
+  assert reasons["mixup"][0] == "2 independent seed(s), policy needs >= 3"
+  assert reasons["gaussian"][0].startswith("envelope ") and "> 1 pp" in reasons["gaussian"][0]
+
+
+def test_synthetic_primary_test_against_an_independent_count(synthetic):
+  _, workdir, card, report = synthetic
+  study = workdir / main_table.STUDY
+  truth = rundir.load_truth(str(workdir / "captures" / "cap" / "truth.safetensors"))
+  gains = []
+  for m in range(3):
+    hits = {a: (np.load(study / "predictions" / f"k6__public__none__m{m}__s0__{a}.npy")
+                == truth).sum(axis=1) for a in ("joint", "activation")}
+    gains.append(hits["joint"] - hits["activation"])
+  expected = 100 * np.mean(gains) / truth.shape[1]
+  (primary,) = card["contrasts"]["primary"]
+  assert primary["evaluated"] and primary["passed"] is True
+  assert primary["estimate"] == pytest.approx(expected, abs=1e-12)
+  assert primary["lo"] > 2.0 and primary["lo"] < primary["estimate"] < primary["hi"]
+  text = report.read_text()
+  assert (f"| **primary**: joint − activation (k = 6, public knowledge) | synthetic | "
+          f"{primary['estimate']:+.2f} | [{primary['lo']:+.2f}, {primary['hi']:+.2f}] (95%) | "
+          "lower bound > +2.0 | yes |") in text
+  assert "is met: " in text and "lies above +2.0 pp." in text
+  assert "| secondary: joint − shuffled_gradients | synthetic |" in text
+
+
+def test_synthetic_study_report_verifies_and_rescores(synthetic):
+  _, workdir, card, report = synthetic
+  study = str(workdir / main_table.STUDY)
+  assert rundir.verify(study) == []
+  stored = (workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_bytes()
+  assert scorecard.to_bytes(scorecard.build_from_inputs(
+      study, json.loads(stored)["inputs"], None)) == stored
+  text = report.read_text()
+  for defense, decision in SYNTHETIC_DECISIONS.items():
+    assert f"| {defense} | None | **{decision}** |" in text
+  assert card["qualification"]["activation"]["real_model"]["status"] == "pass"

@@ -89,7 +89,7 @@ def _record(**kw):
   base = dict(run_id="r", attack="joint", family="beam_inversion", status="ok",
               error=None, e_hash="e" * 64, capture_dir="cap",
               capture_sha256="c" * 64, truth_file="cap/truth.safetensors",
-              prediction_file="predictions/r.npy", prediction_sha256="p" * 64,
+              prediction_file="predictions/r.npy", prediction_sha256="f" * 64,
               scored_positions="all", baseline_token=13, model_id="m",
               model_seed=0, cut=6, knowledge="public", corpus="wikitext2",
               defense="none", defense_params={}, reference=None, seed=0,

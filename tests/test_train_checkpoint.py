@@ -1,6 +1,8 @@
 """Checkpoints: round trip, content hash, HF export, cache reuse, corrupt/partial detection."""
 
+import contextlib
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,24 @@ def test_hash_is_canonical_and_content_sensitive(params):
   changed = jax.tree.map(jnp.array, params)
   changed["ln_f"]["bias"] = changed["ln_f"]["bias"].at[0].add(1e-7)
   assert ckpt.params_sha256(changed) != ckpt.params_sha256(params)
+
+
+@contextlib.contextmanager
+def absltest_logs():
+  """Collects the messages absl logs at WARNING while the block runs."""
+  messages = []
+
+  class Collect(logging.Handler):
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  handler = Collect(level=logging.WARNING)
+  logger = logging.getLogger("absl")
+  logger.addHandler(handler)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
 
 
 def _counting_create(params):
@@ -87,10 +107,20 @@ def test_damaged_checkpoint_detected_and_redone(tmp_path, params, damage):
     (directory / ckpt.HF_DIR / hf_io.WEIGHTS_FILE).write_bytes(b"truncated")
   with pytest.raises(ckpt.CheckpointError):
     ckpt.restore(directory)
-  redone, created = ckpt.load_or_create(directory, create)
+  damaged = {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*")
+             if p.is_file()}
+  with absltest_logs() as warnings:
+    redone, created = ckpt.load_or_create(directory, create)
   assert created and len(calls) == 2
   assert redone.sha256 == ckpt.params_sha256(params)
   assert ckpt.restore(directory).metadata["run"] == 2
+  # The damaged checkpoint was moved aside byte for byte, never deleted, and named.
+  (moved,) = tmp_path.glob("c.quarantined-*")
+  kept = {p.relative_to(moved): p.read_bytes() for p in moved.rglob("*") if p.is_file()
+          and p.name != ckpt.QUARANTINE_NOTE}
+  assert kept == damaged
+  assert "failed to restore" in (moved / ckpt.QUARANTINE_NOTE).read_text()
+  assert any(str(moved) in w and "kept, not deleted" in w for w in warnings)
 
 
 def test_interrupted_save_leftover_is_ignored_and_cleaned(tmp_path, params):

@@ -14,6 +14,7 @@ import numpy as np
 from lla.attacks import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
+from lla.attacks import memory
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 
@@ -38,9 +39,8 @@ class BeamAttack:
 
 
 def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
-  """Working set of one document's search step: caches (old, gathered, new) and pairs."""
-  d, k, t = ws.cfg.n_embd, ws.cut, ws.seq_len
-  return 4.0 * (3 * width * k * 2 * t * d + width * num_candidates * (2 * k * d + 8 * d))
+  """Working set of one document's search step (lla.attacks.memory)."""
+  return memory.beam_bytes_per_doc(ws.cfg.n_embd, ws.cut, ws.seq_len, width, num_candidates)
 
 
 def run_beam(ws: Workspace, candidates: np.ndarray, width: int) -> np.ndarray:
@@ -73,8 +73,8 @@ def _random(ws: Workspace, budget, key) -> np.ndarray:
   activation = ws.activation_ranked(c_a + c_g)
   vocab = ws.cfg.vocab_size
   return ws.map_call(cand_lib.random_fill_candidates, (activation, ws.doc_index),
-                     12.0 * ws.seq_len * vocab, consts=(key,), c_a=c_a, c_g=c_g,
-                     vocab_size=vocab)
+                     memory.random_fill_bytes_per_doc(ws.seq_len, vocab), consts=(key,),
+                     c_a=c_a, c_g=c_g, vocab_size=vocab)
 
 
 def flop_matched_budget(ws: Workspace, budget) -> int:

@@ -191,6 +191,7 @@ registry.register(BisrF(registry.AttackSpec(
     threat_model="passive server reading h only; runs its copy of the client (pre-trained "
     "weights under 'trained' knowledge) and trains SIP on its calibration documents",
     capabilities=("chunking invariance", "NaN raises (recorded crashed)"),
-    checks=(("synthetic", "tests/test_attacks_forward.py::test_bisr_f_lowers_its_loss_and_beats_the_baseline",
+    checks=(("synthetic",
+             "tests/test_attacks_forward.py::test_bisr_f_lowers_its_loss_and_beats_the_baseline",
              "loss falls and token recovery beats SIP's and the frequency baseline on a random "
              "tiny GPT-2"),))))

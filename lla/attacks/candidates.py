@@ -2,6 +2,12 @@
 
 All functions are batched over documents and positions. Sorting is stable: `lax.top_k`
 returns equal values in index order, so ties go to the lower token id (or lower rank).
+The vocabulary-wide rankings go through `kernels.vocab_topk.topk`: on CPU the same
+materialise-and-`lax.top_k` computation as ever (bit-identical), on GPU and TPU a Pallas
+kernel that never materialises the [positions, V] scores. The kernel ranks the same scores
+with the same tie-breaks; its tiled matmuls round differently from one large matmul, so
+entries within float32 rounding of each other can swap (0.01% of positions at GPT-2's
+shape in interpret mode: experiments/bench_kernels.py).
 """
 
 from __future__ import annotations
@@ -12,14 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import vocab_topk
 from lla.attacks import ridge
 
 
 def _nearest(e_hat: jax.Array, wte: jax.Array, num: int) -> jax.Array:
-  sq_dist = (jnp.sum(e_hat**2, -1, keepdims=True)
-             - 2.0 * jnp.einsum("...d,vd->...v", e_hat, wte)
-             + jnp.sum(wte**2, -1))
-  return jax.lax.top_k(-sq_dist, num)[1].astype(jnp.int32)
+  return vocab_topk.topk(e_hat, wte, num, "neg_sq_dist")[1]
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
@@ -56,8 +60,7 @@ def gradient_ranked_tokens(wte: jax.Array, g: jax.Array, num: int) -> jax.Array:
     previous gradient and is ranked from a zero score (lowest ids), never used by callers.
   """
   prev = jnp.pad(g[:, :-1], ((0, 0), (1, 0), (0, 0)))
-  scores = -jnp.einsum("btd,vd->btv", prev, wte)
-  return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
+  return vocab_topk.topk(prev, wte, num, "neg_dot")[1]
 
 
 def _first_absent(ranked: jax.Array, present: jax.Array, num: int) -> jax.Array:

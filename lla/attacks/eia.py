@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import optimise, registry, sip
+from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -116,7 +116,8 @@ def mapper(ws: Workspace, budget, key: jax.Array):
   n, t = ws.calibration_tokens.shape
   d = ws.cfg.n_embd
   per_doc = t * (2 * 2 * d * d)
-  analytic = (2.0 * n * t * (ws.cut + 1) * (12 * d * d + t * d)
+  # h_k of the calibration documents is the workspace's stage; h_1 is computed here.
+  analytic = (2.0 * n * t * (12 * d * d + t * d)
               + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH))
   stage_key = jax.random.fold_in(key, zlib.crc32(b"eia_mapper") & 0x7FFFFFFF)
   params, trained_epochs = ws.stage("eia_mapper", lambda: _train_mapper(ws, epochs, stage_key),
@@ -134,7 +135,7 @@ def _train_mapper(ws: Workspace, epochs: int, key: jax.Array):
   n = source.shape[0]
   params, opt_state = ws.call(_mapper_init, key, dim=ws.cfg.n_embd)
   for epoch in range(epochs):
-    order = sip.host_rng(key, epoch).permutation(n)
+    order = optimise.host_rng(key, epoch).permutation(n)
     for start in range(0, n, MAPPER_BATCH):
       docs = order[start:start + MAPPER_BATCH]
       weight = np.zeros(MAPPER_BATCH, np.float32)
@@ -260,6 +261,7 @@ registry.register(Eia(registry.AttackSpec(
     "weights under 'trained' knowledge); the mapper trains on its calibration documents",
     capabilities=("chunking invariance", "per-document randomness", "NaN raises (recorded "
                   "crashed)"),
-    checks=(("synthetic", "tests/test_attacks_forward.py::test_eia_lowers_its_loss_and_beats_the_baseline",
+    checks=(("synthetic",
+             "tests/test_attacks_forward.py::test_eia_lowers_its_loss_and_beats_the_baseline",
              "loss falls and token recovery beats the frequency baseline on a random tiny "
              "GPT-2"),))))

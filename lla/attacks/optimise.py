@@ -7,6 +7,8 @@ attacker's client reproduces the observed message. They share:
   embeddings `e [B, T, d]` (HF's `inputs_embeds`: the learned positions are added here),
   differentiable in `e`.
 * `losses_and_grad`: per-document losses and gradients from one VJP.
+* `host_rng`: seeded numpy generators for host-side choices (the order of training
+  batches).
 * `drive`: the optimisation loop, run from Python with one call of a compiled one-step
   executable per step, so that XLA's cost analysis of that executable times the steps
   run is what executed (XLA counts a loop body once; a compiled block of K unrolled
@@ -47,6 +49,11 @@ def losses_and_grad(losses_fn: Callable, x: jax.Array):
   losses, vjp = jax.vjp(losses_fn, x)
   (grad,) = vjp(jnp.ones_like(losses))
   return losses, grad
+
+
+def host_rng(key: jax.Array, stream: int) -> np.random.Generator:
+  """A numpy generator for host-side choices (document orders), seeded by key and stream."""
+  return np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), stream])
 
 
 def check_finite(losses: np.ndarray, attack: str, first_step: int, doc_index) -> None:

@@ -3,11 +3,15 @@
 For every measured record: the capture it names (hash-checked), the attacker's weights
 loaded from the source pinned in `inputs/<e_hash>.json` (hash-checked), the pinned
 calibration tokens, the budget of its protocol tuple and its seed. PROTOCOL section 3:
-the same capture, E and seeds give identical predictions.
+the same capture, E and seeds give identical predictions, on the same software stack and
+device kind: every difference between a record's provenance (lla.provenance) and this
+process's is named beside the verdict. Records made outside replay (modules that run in
+their own driver, such as the decoy-row experiment) are listed as not regenerated here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -15,11 +19,12 @@ import ml_collections
 import numpy as np
 
 from lla.attacks import budget as budget_lib
+from lla import provenance as provenance_lib
 from lla.attacks import registry, replay
 from lla.attacks.workspace import Workspace
 from lla.capture import store
 from lla.defenses import aware
-from lla.evidence import files, rundir
+from lla.evidence import files, records, rundir
 from lla.model.loading import load_model
 
 
@@ -35,7 +40,9 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
   if model.model_id != inputs["attacker_params_sha256"]:
     raise ValueError(f"{inputs['attacker_source']}: attacker weights hash {model.model_id[:12]}... "
                      f"differ from the pinned {inputs['attacker_params_sha256'][:12]}...")
-  calibration = np.load(os.path.join(run_dir, inputs["calibration_file"]), allow_pickle=False)
+  calibration = files.load_token_matrix(
+      os.path.join(run_dir, records.inside("calibration_file", inputs["calibration_file"])),
+      "calibration tokens")
   if files.sha256_bytes(np.ascontiguousarray(calibration, np.int32).tobytes()) != \
       inputs["calibration_sha256"]:
     raise ValueError(f"{inputs['calibration_file']}: calibration tokens changed")
@@ -54,13 +61,30 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
                    defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})})
 
 
-def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
-  """Recomputes every measured record's predictions; returns mismatches (empty if all equal)."""
+@dataclasses.dataclass(frozen=True)
+class Regeneration:
+  """problems: predictions that differ (empty: bit for bit); skipped: 'run_id: why' of
+  measured records not regenerated here; provenance: 'field: recorded X, now Y' for every
+  difference between the records' provenance and this process's."""
+  problems: list[str]
+  skipped: list[str]
+  provenance: list[str]
+
+
+def check(run_dir: str, memory_budget_bytes: int = 1 << 30) -> Regeneration:
+  """Recomputes every measured record's predictions and compares them bit for bit."""
   # Keyed by capture too: one protocol tuple may be replayed on several captures of it.
-  problems, workspaces = [], {}
+  problems, skipped, workspaces, differences = [], [], {}, {}
+  now = provenance_lib.current()
   for record in rundir.load_records(run_dir):
     if record.status != "ok":
       continue
+    if record.attack not in registry.names():
+      skipped.append(f"{record.run_id}: module {record.attack!r} is not a replay attack "
+                     "(it runs in its own driver)")
+      continue
+    for line in provenance_lib.differences(record.provenance, now):
+      differences.setdefault(line, record.run_id)
     e = _protocol(run_dir, record.e_hash)
     key = (record.e_hash, record.capture_sha256)
     if key not in workspaces:
@@ -75,4 +99,11 @@ def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
       differ = int((result.predictions != stored).sum())
       problems.append(f"{record.prediction_file}: regenerated predictions differ in {differ} "
                       f"of {stored.size} tokens (record {record.run_id!r})")
-  return problems
+  return Regeneration(problems, skipped,
+                      [f"{line} (first in record {run_id!r})"
+                       for line, run_id in sorted(differences.items())])
+
+
+def regenerate(run_dir: str, memory_budget_bytes: int = 1 << 30) -> list[str]:
+  """Recomputes every measured record's predictions; returns mismatches (empty if all equal)."""
+  return check(run_dir, memory_budget_bytes).problems

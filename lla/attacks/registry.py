@@ -171,9 +171,25 @@ def execute(name: str, ws, budget, key: jax.Array):
     return result, ws.charge(result.flops_analytic)
 
 
+_EXTERNAL: dict[str, AttackSpec] = {}
+
+
+def describe(spec: AttackSpec) -> AttackSpec:
+  """Lists a module that runs in its own driver (not on a replay Workspace, e.g. the
+  decoy-row attacks of lla.decoy, which write their own records): coverage and
+  qualification know it; replay, `get` and `names` do not."""
+  if spec.name in _REGISTRY or _EXTERNAL.get(spec.name, spec) != spec:
+    raise ValueError(f"attack {spec.name!r} is registered twice")
+  _EXTERNAL[spec.name] = spec
+  return spec
+
+
 def module_entries() -> list[dict[str, Any]]:
-  """Every registered attack as the scoring layer's module entry (coverage, qualification)."""
-  return [{**s.to_dict(), "observations": list(s.requires)} for s in specs()]
+  """Every attack module, replayable or run in its own driver, as the scoring layer's
+  module entry (coverage, qualification)."""
+  everything = specs() + [_EXTERNAL[n] for n in sorted(_EXTERNAL)]
+  return sorted(({**s.to_dict(), "observations": list(s.requires)} for s in everything),
+                key=lambda m: m["name"])
 
 
 def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], knowledge: str,
@@ -204,7 +220,7 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
 
 BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sip",
                    "lla.attacks.bisr_f", "lla.attacks.eia", "lla.attacks.gradmatch",
-                   "lla.attacks.lamp")
+                   "lla.attacks.lamp", "lla.decoy.modules")
 
 
 def load_builtin() -> None:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
 import io
 import json
 import os
-import subprocess
 import traceback
 
 import jax
@@ -31,8 +31,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-import lla
 from lla import dist
+from lla import provenance as provenance_lib
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh, spans_processes
@@ -42,9 +42,9 @@ from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
 from lla.model.loading import load_model
 from lla.protocol import tuple as protocol
-from lla.scoring.policy import load_policy
+from lla.scoring.policy import load_named_policy
 
-INPUTS = "inputs"
+INPUTS = rundir.INPUTS
 
 
 class ReplayInputError(ValueError):
@@ -64,15 +64,8 @@ class Attacker:
 
 
 def provenance() -> dict:
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(lla.__file__), timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    commit = ""
-  device = jax.devices()[0]
-  return {"lla_version": lla.__version__, "git_commit": commit or "unknown",
-          "jax_version": jax.__version__, "device_kind": device.device_kind,
-          "device_count": jax.device_count()}
+  """What every record stores of the software and devices (lla.provenance)."""
+  return provenance_lib.current()
 
 
 def calibration_sha256(tokens: np.ndarray) -> str:
@@ -99,6 +92,10 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget_values: d
                     calibration_defense: dict | None = None) -> dict:
   """E of the replay: the capture's target, observations and corpus, the attacker's K and B."""
   captured = protocol.ProtocolTuple.from_dict(capture.metadata["protocol"])
+  try:
+    policy = load_named_policy(captured.G.policy)
+  except (ValueError, FileNotFoundError) as e:
+    raise ReplayInputError(f"capture {capture.directory}: metadata.json G.policy: {e}") from None
   e = captured.replace(
       O=dataclasses.replace(captured.O, capture_sha256=capture.manifest_sha256),
       K=protocol.Knowledge(attacker.knowledge, weights_sha256=attacker.model_id,
@@ -107,7 +104,7 @@ def replay_protocol(capture: store.Capture, attacker: Attacker, budget_values: d
       B=protocol.Budgets(calibration_size=int(attacker.calibration_tokens.shape[0]),
                          fields=protocol.frozen(budget_values)),
       G=dataclasses.replace(captured.G, seeds=(int(seed),),
-                            policy_sha256=load_policy(captured.G.policy).sha256))
+                            policy_sha256=policy.sha256))
   return e.to_dict()
 
 
@@ -119,6 +116,18 @@ def differences(old: dict, new: dict, path: str = "") -> list[str]:
       out += differences(old.get(key), new.get(key), f"{path}.{key}" if path else key)
     return out
   return [] if old == new else [path]
+
+
+def _check_protocol(run_dir: str, e: dict) -> None:
+  """Refuses (before anything is written) a single-protocol run directory made under
+  another E."""
+  protocol_path = os.path.join(run_dir, rundir.PROTOCOL)
+  if os.path.exists(protocol_path) and not rundir.is_study(run_dir):
+    stored = files.read_json(protocol_path)
+    if stored != e:
+      raise ReplayInputError(
+          f"{run_dir} was made under another protocol tuple (differs in "
+          f"{', '.join(differences(stored, e))}); use a new --workdir")
 
 
 def _register_protocol(run_dir: str, e: dict) -> str:
@@ -143,9 +152,10 @@ def _stored_protocol(run_dir: str, e_hash: str) -> dict | None:
 
 
 def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
-               calibration_defense: dict | None) -> None:
+               calibration_defense: dict | None, check_only: bool = False) -> None:
   """Stores what regenerating E's predictions needs besides the capture: where the
-  attacker's weights load from (checked by hash) and the calibration tokens themselves."""
+  attacker's weights load from (checked by hash) and the calibration tokens themselves.
+  With `check_only`, only refuses inputs that differ from those already pinned."""
   path = os.path.join(run_dir, INPUTS, f"{e_hash}.json")
   tokens = np.ascontiguousarray(attacker.calibration_tokens, np.int32)
   calibration_sha = calibration_sha256(tokens)
@@ -156,18 +166,22 @@ def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
             "calibration_sha256": calibration_sha,
             "calibration_defense": calibration_defense}
   if os.path.exists(path):
-    stored = files.read_json(path)
-    if stored != pinned:
+    # Where the weights load from is a locator (the same weights may sit in several
+    # checkpoints); what must agree is everything hashed.
+    stored = {k: v for k, v in files.read_json(path).items() if k != "attacker_source"}
+    mine = {k: v for k, v in pinned.items() if k != "attacker_source"}
+    if stored != mine:
       raise ReplayInputError(f"{path}: pinned inputs differ from this replay's (in "
-                             f"{', '.join(differences(stored, pinned))})")
+                             f"{', '.join(differences(stored, mine))})")
     return
-  os.makedirs(os.path.join(run_dir, INPUTS), exist_ok=True)
+  if check_only:
+    return
   if not os.path.exists(os.path.join(run_dir, calibration)):
     buffer = io.BytesIO()
     np.save(buffer, tokens, allow_pickle=False)
-    files.atomic_write_bytes(os.path.join(run_dir, calibration), buffer.getvalue())
-  files.atomic_write_json(path, pinned)
-  rundir.log(run_dir).append({"type": "inputs", "e_hash": e_hash, "file": f"{INPUTS}/{e_hash}.json"})
+    rundir.save_file(run_dir, calibration, buffer.getvalue(), "input_file")
+  rundir.save_file(run_dir, f"{INPUTS}/{e_hash}.json", files.canonical_json(pinned), "inputs",
+                   e_hash=e_hash)
 
 
 def file_name(run_id: str) -> str:
@@ -202,20 +216,27 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
   the attack runs again.
   """
   path = os.path.join(run_dir, rundir.RECORDS, f"{name}.json")
-  predictions = os.path.join(run_dir, rundir.PREDICTIONS, f"{name}.npy")
+  rel_record, rel_predictions = f"{rundir.RECORDS}/{name}.json", f"{rundir.PREDICTIONS}/{name}.npy"
   if os.path.exists(path):
     record = AttackRecord.load(path)
-    if record.status == "ok":
+    logged = rundir.logged_files(run_dir).get(rel_record)
+    if logged is None:
+      # Written but never logged: the run was interrupted between the two.
+      rundir.remove_file(run_dir, rel_record, "discard_unlogged")
+    elif logged[0] != files.sha256_file(path):
+      raise ValueError(f"{path}: differs from the sha256 the run's log recorded (line "
+                       f"{logged[1]}); refusing to resume over it: run verify")
+    elif record.status == "ok":
       stored = rundir.resolve(run_dir, record.prediction_file)
       if not os.path.exists(stored) or files.sha256_file(stored) != record.prediction_sha256:
         raise ValueError(f"{stored}: predictions missing or changed since {path} was written; "
                          "refusing to resume over them")
       return record
-    os.remove(path)
-    rundir.log(run_dir).append({"type": "retry", "attack": name, "previous_status": record.status})
-  if os.path.exists(predictions):
-    os.remove(predictions)
-    rundir.log(run_dir).append({"type": "discard_orphan", "file": f"{rundir.PREDICTIONS}/{name}.npy"})
+    else:
+      rundir.remove_file(run_dir, rel_record, "retry", attack=name,
+                         previous_status=record.status)
+  if os.path.exists(os.path.join(run_dir, rel_predictions)):
+    rundir.remove_file(run_dir, rel_predictions, "discard_orphan")
   return None
 
 
@@ -230,7 +251,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
            budget, seed: int, *, run_prefix: str = "",
            reference_prefix: str | None = None, model_seed: int = 0,
            memory_budget_bytes: int = 2 << 30, mesh="auto",
-           calibration_defense: dict | None = None) -> list[AttackRecord]:
+           calibration_defense: dict | None = None, seal: bool = False) -> list[AttackRecord]:
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
   Args:
@@ -248,6 +269,10 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     calibration_defense: {"name", "params", "attacker_seed"} of the defense a
       defense-aware attacker mimics on its calibration data (lla.defenses.aware); for
       defense-aware attacks, and only those.
+    seal: the replay is a whole run (experiments/replay.py): a finished (sealed) run
+      directory is reopened (rundir.reopen) once every input has been checked, and the
+      run is finalized (sealed, manifest written) when the replay ends, crashed attacks
+      included. A study being built by several replays leaves this False.
 
   Raises:
     ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError or
@@ -261,26 +286,29 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   for spec in specs:
     _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
                  capture.manifest_sha256)
-  e_hash = _register_protocol(run_dir, e)
-  pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
-  ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
-  done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
-  todo = [spec.name for spec in specs if done[spec.name] is None]
-  if todo and spans_processes(ws.mesh):
-    dist.send(plan.request(todo, memory_budget_bytes))
-  common = plan.record_fields(run_dir, e_hash, model_seed)
-  records = []
-  for spec in specs:
-    if done[spec.name] is not None:
-      logging.info("replay: %s already finished (%s), reused", spec.name,
-                   done[spec.name].prediction_sha256[:12])
-      records.append(done[spec.name])
-      continue
-    reference = None if reference_prefix is None else (
-        reference_prefix + (spec.reference_attack or spec.name))
-    records.append(_run_one(run_dir, ws, spec, plan.values, seed, run_prefix,
-                            {**common, "reference": reference}))
-  return records
+  _check_protocol(run_dir, e)
+  pin_inputs(run_dir, rundir.e_hash(e), plan.attacker, calibration_defense, check_only=True)
+  with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
+    e_hash = _register_protocol(run_dir, e)
+    pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
+    ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
+    done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
+    todo = [spec.name for spec in specs if done[spec.name] is None]
+    if todo and spans_processes(ws.mesh):
+      dist.send(plan.request(todo, memory_budget_bytes))
+    common = plan.record_fields(run_dir, e_hash, model_seed)
+    records = []
+    for spec in specs:
+      if done[spec.name] is not None:
+        logging.info("replay: %s already finished (%s), reused", spec.name,
+                     done[spec.name].prediction_sha256[:12])
+        records.append(done[spec.name])
+        continue
+      reference = None if reference_prefix is None else (
+          reference_prefix + (spec.reference_attack or spec.name))
+      records.append(_run_one(run_dir, ws, spec, plan.values, seed, run_prefix,
+                              {**common, "reference": reference}))
+    return records
 
 
 @dataclasses.dataclass(frozen=True)

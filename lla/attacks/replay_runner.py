@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from absl import logging
 import ml_collections
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import registry, replay
+from lla.attacks import memory, registry, replay
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
 from lla.model.loading import load_model
@@ -13,7 +14,10 @@ from lla.model.loading import load_model
 
 def calibration_tokens(config: ml_collections.ConfigDict):
   if config.tokens_npy:
-    return load_tokens_npy(config.tokens_npy)
+    try:
+      return load_tokens_npy(config.tokens_npy)
+    except ValueError as e:
+      raise replay.ReplayInputError(f"--config.calibration.tokens_npy: {e}") from None
   data = {k: v for k, v in config.to_dict().items() if k != "tokens_npy"}
   return data_load.load_splits(**data).calibration.tokens
 
@@ -46,16 +50,21 @@ def attack_names(text: str) -> list[str]:
 
 
 def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
+  """The replay of experiments/replay.py: a whole run, sealed when it ends."""
   if not config.capture_dir:
-    raise ValueError("--config.capture_dir is required")
+    raise replay.ReplayInputError("--config.capture_dir is required")
   registry.load_plugins(config.plugins)
   budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
   model = load_model(config.attacker)
   source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
   attacker = replay.Attacker(model.params, model.cfg, model.model_id,
                              calibration_tokens(config.calibration), config.knowledge, source)
+  chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+  logging.info("%s", memory.describe_replay(config.capture_dir, model.cfg,
+                                            attack_names(config.attacks), budget, chunk_budget,
+                                            where))
   return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
                        budget, int(config.seed), run_prefix=config.run_prefix,
                        reference_prefix=config.reference_prefix or None,
-                       model_seed=int(config.model_seed),
-                       memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                       model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget,
+                       seal=True)

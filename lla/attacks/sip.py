@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import registry
+from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
 
 VARIANTS = ("gru", "linear")
@@ -179,11 +179,6 @@ def _init(key, *, variant, vocab_size, hidden, lr, weight_decay, dim):
   return params, _optimizer(lr, weight_decay).init(params)
 
 
-def host_rng(key: jax.Array, stream: int) -> np.random.Generator:
-  """A numpy generator for host-side choices (document orders), seeded by key and stream."""
-  return np.random.default_rng([*np.asarray(jax.random.key_data(key)).tolist(), stream])
-
-
 @functools.partial(jax.jit, static_argnames=("variant", "vocab_size", "hidden", "dropout", "lr",
                                              "weight_decay"))
 def _train_step(params, opt_state, h, tokens, weight, key, step, *, variant, vocab_size, hidden,
@@ -258,12 +253,8 @@ class Inverter:
 
   def predict(self, ws: Workspace) -> np.ndarray:
     """argmax tokens [B, T] int32 of every captured message, in memory-bounded chunks."""
-    return self.predict_messages(ws, ws.activations)
-
-  def predict_messages(self, ws: Workspace, h: np.ndarray) -> np.ndarray:
-    """argmax tokens [N, T] of any messages h [N, T, d] (e.g. the hold-out split)."""
-    bytes_per_doc = 4.0 * h.shape[1] * (3 * self.vocab_size + 4 * self.settings.hidden)
-    return ws.map_call(_tokens, (h,), bytes_per_doc, consts=(self.params,),
+    bytes_per_doc = 4.0 * ws.seq_len * (3 * self.vocab_size + 4 * self.settings.hidden)
+    return ws.map_call(_tokens, (ws.activations,), bytes_per_doc, consts=(self.params,),
                        **self._static()).astype(np.int32)
 
   def inference_flops(self, num_docs: int, seq_len: int, dim: int) -> float:
@@ -294,8 +285,8 @@ def inverter(ws: Workspace, budget, key: jax.Array, variant: str = "gru") -> Inv
   name = stage_name(variant)
   stage_key = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
   n, t = ws.calibration_tokens.shape
-  analytic = (2.0 * n * t * ws.cut * (12 * ws.cfg.n_embd**2 + t * ws.cfg.n_embd)
-              + training_flops(settings, n, t, ws.cfg.n_embd, ws.cfg.vocab_size))
+  # The calibration activations are the workspace's own stage, charged beside this one.
+  analytic = training_flops(settings, n, t, ws.cfg.n_embd, ws.cfg.vocab_size)
   trained = ws.stage(name, lambda: _train(ws, settings, stage_key), analytic=analytic)
   if trained.settings != settings:
     raise ValueError(f"workspace already holds {name} trained under {trained.settings}, not "
@@ -326,13 +317,12 @@ def training_flops(settings: Settings, num_docs: int, seq_len: int, dim: int,
 
 
 def _train(ws: Workspace, settings: Settings, key: jax.Array) -> Inverter:
-  h_all = ws.calibration_activations()
-  x_all = ws.calibration_tokens
+  h_all, x_all = ws.calibration_activations(), ws.calibration_tokens
   n, seq_len, dim = h_all.shape
   n_train, n_held = split_sizes(settings, n)
   init_key, dropout_key = jax.random.split(key)
   # Stream 0 splits off the hold-out documents, stream e + 1 orders epoch e's batches.
-  split = host_rng(key, 0).permutation(n)
+  split = optimise.host_rng(key, 0).permutation(n)
   train_idx, held_idx = np.sort(split[:n_train]), np.sort(split[n_train:])
   static = dict(variant=settings.variant, vocab_size=ws.cfg.vocab_size, hidden=settings.hidden)
   opt = dict(lr=settings.lr, weight_decay=settings.weight_decay)
@@ -340,7 +330,7 @@ def _train(ws: Workspace, settings: Settings, key: jax.Array) -> Inverter:
   best = (params, -1.0, 0)
   losses, held_accuracy, step = [], [], 0
   for epoch in range(settings.epochs):
-    order = train_idx[host_rng(key, epoch + 1).permutation(n_train)]
+    order = train_idx[optimise.host_rng(key, epoch + 1).permutation(n_train)]
     epoch_losses = []
     for start in range(0, n_train, settings.batch):
       docs = order[start:start + settings.batch]

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lla import dist
 from lla.attacks import candidates as cand_lib
+from lla.attacks import memory
 from lla.attacks import ridge
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -72,7 +73,8 @@ def compiled(jitted, *args, **kwargs):
   chunk shape) compiles once per process. Static arguments are passed by keyword.
   """
   leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-  key = (jitted, tree, tuple(_signature(x) for x in leaves))
+  key = (jitted, tree, tuple(_signature(x) for x in leaves),
+         jax.config.jax_default_matmul_precision)
   if key in _EXECUTABLES:
     return (*_EXECUTABLES[key], 0.0)
   start = time.perf_counter()
@@ -415,7 +417,8 @@ class Workspace:
   def decoded_embeddings(self) -> np.ndarray:
     """[B, T, d] ridge-decoded embeddings of the observed activations (part of `ridge`)."""
     decoder = self.decoder
-    return self.map_call(ridge.decode, (self.activations,), 4.0 * self.seq_len * self.cfg.n_embd,
+    return self.map_call(ridge.decode, (self.activations,),
+                         memory.decode_bytes_per_doc(self.seq_len, self.cfg.n_embd),
                          consts=(decoder.weights, decoder.mu_h, decoder.mu_e))
 
   def activation_ranked(self, num: int) -> np.ndarray:
@@ -429,7 +432,8 @@ class Workspace:
     analytic = (cand_lib.candidate_flops(positions, vocab, self.cfg.n_embd)
                 + 2.0 * positions * self.cfg.n_embd**2)
     compute = lambda: self.map_call(
-        cand_lib.decoded_nearest_tokens, (self.activations,), 8.0 * self.seq_len * vocab,
+        cand_lib.decoded_nearest_tokens, (self.activations,),
+        memory.ranking_bytes_per_doc(self.seq_len, vocab, self.cfg.n_embd, num),
         consts=(decoder.weights, decoder.mu_h, decoder.mu_e, wte), num=num)
     return self._ranked_stage("activation_candidates", num, compute, analytic)
 
@@ -437,8 +441,10 @@ class Workspace:
     """[B, T, num] tokens ranked by <-g[t-1], wte[v]> (stage `stage`)."""
     wte, vocab = self.wte, self.cfg.vocab_size
     analytic = cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab, self.cfg.n_embd)
-    compute = lambda: self.map_call(cand_lib.gradient_ranked_tokens, (gradients,),
-                                    8.0 * self.seq_len * vocab, consts=(wte,), num=num)
+    compute = lambda: self.map_call(
+        cand_lib.gradient_ranked_tokens, (gradients,),
+        memory.ranking_bytes_per_doc(self.seq_len, vocab, self.cfg.n_embd, num), consts=(wte,),
+        num=num)
     return self._ranked_stage(stage, num, compute, analytic)
 
   def _ranked_stage(self, stage: str, num: int, compute, analytic: float) -> np.ndarray:

@@ -170,11 +170,28 @@ def load_truth(directory: str | os.PathLike) -> np.ndarray:
     raise CaptureError(f"{path}: cannot read ground truth ({e})") from None
 
 
-def reuse_or_write(directory: str | os.PathLike, write) -> str:
+def reuse_or_write(directory: str | os.PathLike, write, expected: dict | None = None) -> str:
   """A finished capture is verified and reused; otherwise `write(str(directory))` makes it.
+
+  Args:
+    expected: {"T.model_id": ..., "T.cut": ..., "C.split_hashes": {...}, ...}: fields of the
+      capture's protocol tuple that a reused capture must match (a capture of another
+      target, cut or split draw left in the directory is refused, naming the fields).
 
   Returns the manifest sha256 either way.
   """
-  if pathlib.Path(directory).exists():
-    return verify(directory)
-  return write(str(directory))
+  if not pathlib.Path(directory).exists():
+    return write(str(directory))
+  sha = verify(directory)
+  stored = files.read_json(str(pathlib.Path(directory) / METADATA_FILE)).get("protocol", {})
+  differ = []
+  for path, want in sorted((expected or {}).items()):
+    have = stored
+    for key in path.split("."):
+      have = have.get(key) if isinstance(have, dict) else None
+    if have != want:
+      differ.append(f"{path} (stored {have!r}, expected {want!r})"[:200])
+  if differ:
+    raise CaptureError(f"{directory}: the capture there is of another target: differs in "
+                       + "; ".join(differ) + "; use a new --workdir")
+  return sha

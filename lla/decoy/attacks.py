@@ -42,10 +42,15 @@ def structural(gradient: np.ndarray, real_mask: np.ndarray) -> dict:
   Returns:
     frames_exact (count), frames, row_agreement, base_rate (R / M).
   """
-  pred = np.any(gradient != 0, axis=-1)
+  pred = structural_prediction(gradient).astype(bool)
   truth = real_mask.astype(bool)
   return {"frames_exact": int(np.all(pred == truth, axis=1).sum()), "frames": int(len(pred)),
           "row_agreement": float(np.mean(pred == truth)), "base_rate": float(truth.mean())}
+
+
+def structural_prediction(gradient: np.ndarray) -> np.ndarray:
+  """[S, M] int32: 1 where the returned-gradient row [S, M, D] is not all zero (real)."""
+  return np.any(gradient != 0, axis=-1).astype(np.int32)
 
 
 def real_rows(messages: dict, truth: dict, label: str):
@@ -179,7 +184,8 @@ def split_frames(n_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def content(features: dict, labels: np.ndarray, train: np.ndarray, test: np.ndarray, cfg,
-            n_arms: int, policy: dict, seed: int, controls: bool = True) -> dict:
+            n_arms: int, policy: dict, seed: int, controls: bool = True,
+            predictions: dict | None = None) -> dict:
   """Runs every (features, classifier) arm and its shuffled-label control.
 
   Args:
@@ -187,6 +193,8 @@ def content(features: dict, labels: np.ndarray, train: np.ndarray, test: np.ndar
     cfg: probe settings (classifiers, max_classes, steps, batch, lr, weight_decay,
       mlp_hidden); n_arms: the Bonferroni divisor (fixed by the caller so that a subset
       of arms is judged like the full set); policy: the gate policy dict.
+    predictions: if given, filled with {"<features>/<classifier>": [S_test, R] predicted
+      tokens} (what the study's records store).
 
   Returns:
     {baseline: {...}, arms: {"<features>/<classifier>": {...}}, G_pp, gate}.
@@ -215,7 +223,10 @@ def content(features: dict, labels: np.ndarray, train: np.ndarray, test: np.ndar
   for name, x in features.items():
     x_train, x_test = x[train].reshape(-1, x.shape[-1]), x[test].reshape(-1, x.shape[-1])
     for kind in cfg.classifiers:
-      arm = score(probe(kind, x_train, y_train, x_test, cfg, seed))
+      predicted = probe(kind, x_train, y_train, x_test, cfg, seed)
+      if predictions is not None:
+        predictions[f"{name}/{kind}"] = predicted.reshape(y_test.shape).astype(np.int32)
+      arm = score(predicted)
       if controls:
         arm["shuffled"] = score(probe(kind, x_train, shuffled, x_test, cfg, seed))
       out["arms"][f"{name}/{kind}"] = arm

@@ -12,6 +12,7 @@ Entry point: `run(config, workdir) -> summary dict` (also written as results.jso
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from lla.decoy import attacks, capture, data, system
+from lla.decoy import records as decoy_records
 from lla.evidence import files
 from lla.model import gpt2, hf_io
 
@@ -32,7 +34,10 @@ DECLARED_UNMEASURED = (
 
 
 def load_policy(name: str) -> tuple[dict, str]:
-  """(policy dict, sha256 of the file's bytes) of policies/<name>.json."""
+  """(policy dict, sha256 of the file's bytes) of policies/<name>.json (a name, never a
+  path)."""
+  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
+    raise ValueError(f"decoy policy name {name!r}: expected a file name under {POLICY_DIR}")
   path = os.path.join(POLICY_DIR, name + ".json")
   with open(path, "rb") as f:
     raw = f.read()
@@ -103,7 +108,9 @@ def train_and_capture(config, seed: int, arm: str, blocks, policy_sha: str, dire
               "train_loss_last_256": float(np.mean(out["loss"][-256:])),
               "train_wall_s": time.time() - t0}
   truth = capture.truth_from_perm(out["perm"], run_blocks, config.protocol.n_real)
-  capture.write(directory, out["forward"], out["gradient"], truth, metadata)
+  _, test = attacks.split_frames(out["forward"].shape[0], seed)
+  capture.write(directory, out["forward"], out["gradient"], truth, metadata,
+                views=capture.scored_views(truth, config.probe.label, test))
 
 
 def calibrate(forward, gradient, labels, train, test, base_forward: dict, config, policy,
@@ -133,18 +140,29 @@ def calibrate(forward, gradient, labels, train, test, base_forward: dict, config
   return {"points": points, "first_firing": first, "injected_into": "returned-gradient rows"}
 
 
-def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool) -> dict:
-  """Replays one capture through the attacks (and, if asked, the calibration)."""
+def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool,
+            predictions: dict | None = None) -> dict:
+  """Replays one capture through the attacks (and, if asked, the calibration).
+
+  `predictions`, if given, receives "structural" ([S, M] row mask), "content" ({arm:
+  [S_test, R]}) and "content_baseline" (the constant predictor's token): what the study's
+  records store.
+  """
   messages, truth, metadata, sha = capture.read(directory)
   fwd, grad, labels = attacks.real_rows(messages, truth, config.probe.label)
   train, test = attacks.split_frames(len(labels), seed)
   feats = attacks.arm_features(fwd, grad, train)
   n_arms = len(feats) * len(config.probe.classifiers)
+  content_predictions = {} if predictions is not None else None
   result = {"capture_sha256": sha, "e_hash": metadata["e_hash"], "model_id": metadata["model_id"],
             "heldout_ce": metadata["heldout_ce"],
             "structural": attacks.structural(messages["gradient"], truth["real_mask"]),
             "content": attacks.content(feats, labels, train, test, config.probe, n_arms,
-                                       policy, seed)}
+                                       policy, seed, predictions=content_predictions)}
+  if predictions is not None:
+    predictions.update(structural=attacks.structural_prediction(messages["gradient"]),
+                       content=content_predictions,
+                       content_baseline=result["content"]["baseline"]["token"])
   if calibrate_it:
     base_forward = {k: {kk: vv for kk, vv in v.items() if kk != "shuffled"}
                     for k, v in result["content"]["arms"].items() if k.startswith("forward/")}
@@ -153,8 +171,13 @@ def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool)
   return result
 
 
-def run_seed(config, seed: int, blocks, policy: dict, policy_sha: str, workdir: str) -> dict:
-  """One seed, resumable: a finished result.json is returned as is."""
+def run_seed(config, seed: int, blocks, policy: dict, policy_sha: str, workdir: str,
+             study: str | None = None) -> dict:
+  """One seed, resumable: a finished result.json is returned as is.
+
+  With `study` (a run directory), each capture's attacks are also written there as records
+  (lla.decoy.records); a finished seed whose records are missing is replayed for them.
+  """
   seed_dir = os.path.join(workdir, f"seed_{seed}")
   done = os.path.join(seed_dir, "result.json")
 
@@ -164,11 +187,21 @@ def run_seed(config, seed: int, blocks, policy: dict, policy_sha: str, workdir: 
       raise ValueError(f"{seed_dir}: seed {seed} ({arm}) was run with another config or "
                        "policy (E hash differs); use a fresh --workdir")
 
+  def record(arm, directory, predictions, wall_s):
+    if study is not None:
+      decoy_records.write(study, directory, config, seed, arm, predictions["structural"],
+                          predictions["content"], predictions["content_baseline"], wall_s)
+
   if os.path.exists(done):
     logging.info("seed %d: reusing %s", seed, done)
     result = files.read_json(done)
     for arm in ARMS:
       check(arm, result[arm])
+      if study is not None and decoy_records.missing(study, config, seed, arm):
+        directory = os.path.join(seed_dir, f"capture_{arm}")
+        predictions, t0 = {}, time.time()
+        analyse(directory, config, policy, seed, calibrate_it=False, predictions=predictions)
+        record(arm, directory, predictions, time.time() - t0)
     return result
   result = {"seed": seed, "policy_sha256": policy_sha}
   for arm in ARMS:
@@ -177,8 +210,11 @@ def run_seed(config, seed: int, blocks, policy: dict, policy_sha: str, workdir: 
       check(arm, files.read_json(os.path.join(directory, capture.METADATA)))
     else:
       train_and_capture(config, seed, arm, blocks, policy_sha, directory)
+    predictions, t0 = {}, time.time()
     result[arm] = analyse(directory, config, policy, seed,
-                          calibrate_it=(arm == "none" and seed < config.calibration.seeds))
+                          calibrate_it=(arm == "none" and seed < config.calibration.seeds),
+                          predictions=predictions)
+    record(arm, directory, predictions, time.time() - t0)
   cost = result["mitigated"]["heldout_ce"]["final"] - result["none"]["heldout_ce"]["final"]
   result["utility"] = {"ce_cost_nats": cost,
                        "gate": "PASS" if cost <= policy["utility_max_ce_increase_nats"]
@@ -195,8 +231,9 @@ def load_data(config):
                           seed=d.synthetic_seed)
 
 
-def run(config, workdir: str) -> dict:
-  """Runs every seed and writes results.json, results.md, dose_response.{json,png}."""
+def run(config, workdir: str, study: str | None = None) -> dict:
+  """Runs every seed and writes results.json, results.md, dose_response.{json,png}; with
+  `study`, also each capture's attacks as records of that run directory."""
   from lla.decoy import report  # Matplotlib is imported only when a run reports.
   os.makedirs(workdir, exist_ok=True)
   policy, policy_sha = load_policy(config.policy)
@@ -204,7 +241,7 @@ def run(config, workdir: str) -> dict:
   seeds = []
   for seed in range(config.num_seeds):
     t0 = time.time()
-    seeds.append(run_seed(config, seed, blocks, policy, policy_sha, workdir))
+    seeds.append(run_seed(config, seed, blocks, policy, policy_sha, workdir, study))
     logging.info("seed %d done in %.0f s", seed, time.time() - t0)
   summary = report.summarise(seeds, policy, policy_sha, DECLARED_UNMEASURED)
   report.write(workdir, summary)

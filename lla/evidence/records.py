@@ -3,10 +3,19 @@
 The field list is the contract of docs/run_format.md; `from_json` rejects
 missing, unknown or mistyped fields with an error naming the file, because a
 silently defaulted field would change how a run is scored.
+
+Paths in a record are POSIX paths relative to the run directory. The prediction
+file lies inside the run directory; the capture is a locator (it may live beside
+the run, e.g. `../captures/x`) checked by the hash of its manifest, never an
+absolute path; the truth file is a file of that capture, so the capture's
+manifest covers it. `check_files` checks a record's hashes against the files.
 """
 
 import dataclasses
 import json
+import os
+import posixpath
+import re
 import types
 import typing
 from typing import Any
@@ -18,6 +27,7 @@ STATUSES = ("ok", "crashed", "skipped")
 SCORED_POSITIONS = ("all", "t>=1")
 KNOWLEDGE = ("public", "trained", "none")
 UNDEFENDED = "none"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,17 @@ class AttackRecord:
     if self.status != "ok" and not self.error:
       raise ValueError(f"{where}: status {self.status!r} needs an error "
                        "message saying why")
+    for name in ("e_hash", "capture_sha256", "prediction_sha256"):
+      value = getattr(self, name)
+      if not (value is None and name == "prediction_sha256") and not _HEX64.fullmatch(value):
+        raise ValueError(f"{where}: {name} {value!r} is not a sha256 (64 hex digits)")
+    if self.prediction_file is not None:
+      inside("prediction_file", self.prediction_file)
+    locator("capture_dir", self.capture_dir)
+    locator("truth_file", self.truth_file)
+    if not within(self.truth_file, self.capture_dir):
+      raise ValueError(f"{where}: truth_file {self.truth_file!r} is not a file of "
+                       f"its capture {self.capture_dir!r}")
 
   @property
   def measured(self) -> bool:
@@ -121,6 +142,54 @@ class AttackRecord:
 
   def save(self, path: str, overwrite: bool = False) -> None:
     files.atomic_write_bytes(path, self.to_json(), overwrite=overwrite)
+
+
+def locator(field: str, path: str) -> str:
+  """A relative POSIX path (it may climb out with '..'), normalised; raises ValueError."""
+  if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+    raise ValueError(f"{field} {path!r}: expected a relative POSIX path")
+  if posixpath.isabs(path) or os.path.isabs(path):
+    raise ValueError(f"{field} {path!r}: absolute paths are refused (paths are relative "
+                     "to the run directory)")
+  return posixpath.normpath(path)
+
+
+def inside(field: str, path: str) -> str:
+  """A relative path that stays inside its directory ('..' never escapes); raises."""
+  norm = locator(field, path)
+  if norm == "." or norm == ".." or norm.startswith("../"):
+    raise ValueError(f"{field} {path!r}: leaves its directory")
+  return norm
+
+
+def within(path: str, directory: str) -> bool:
+  """Whether relative `path` names a file inside relative `directory`."""
+  rel = posixpath.relpath(posixpath.normpath(path), posixpath.normpath(directory))
+  return rel != "." and not rel.startswith("..")
+
+
+def check_files(record: AttackRecord, run_dir: str) -> list[str]:
+  """Problems of a record against the files it names, each naming the file: the
+  predictions' sha256 (measured records) and the truth file's place in its capture's
+  manifest (whose own hash `capture_sha256` is checked by the caller)."""
+  from lla.evidence import manifest  # pylint: disable=g-import-not-at-top
+  where = f"record {record.run_id!r}"
+  problems = []
+  if record.status == "ok":
+    path = os.path.join(run_dir, inside("prediction_file", record.prediction_file))
+    if not os.path.exists(path):
+      problems.append(f"{record.prediction_file}: missing ({where})")
+    elif files.sha256_file(path) != record.prediction_sha256:
+      problems.append(f"{record.prediction_file}: sha256 differs from {where}")
+  capture = os.path.join(run_dir, locator("capture_dir", record.capture_dir))
+  truth = posixpath.relpath(posixpath.normpath(record.truth_file),
+                            posixpath.normpath(record.capture_dir))
+  listed = os.path.join(capture, manifest.MANIFEST_NAME)
+  if not os.path.exists(os.path.join(run_dir, record.truth_file)):
+    problems.append(f"{record.truth_file}: truth file missing ({where})")
+  elif os.path.exists(listed) and truth not in manifest.read_manifest(listed)[0]:
+    problems.append(f"{record.truth_file}: not listed in its capture's manifest ({where})")
+  return problems
 
 
 def _type_ok(value: Any, hint) -> bool:

@@ -13,13 +13,16 @@ dtype, shape, little-endian bytes), so it does not depend on how the params were
 stored. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
 in one step, so `DIR` either does not exist or holds every file; `restore` still re-hashes the
 params (and the HF weights) and refuses a directory whose hash disagrees, e.g. one copied or
-edited by hand. `load_or_create` is the cache: a valid DIR is reused, anything else at DIR is
-removed and rebuilt.
+edited by hand. `load_or_create` is the cache: a valid DIR is reused; a DIR that fails to
+restore (damaged, or unreadable by this software version) is never deleted: it is moved aside
+to `DIR.quarantined-<UTC time>-<id>` (with QUARANTINE.txt saying why), named in a warning, and
+rebuilt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -40,6 +43,8 @@ from lla.model.gpt2 import GPT2Config, init_params
 FORMAT = "lla-checkpoint.v1"
 PARAMS_DIR, CONFIG_FILE, METADATA_FILE, HF_DIR = "params", "config.json", "metadata.json", "hf"
 _PARTIAL = ".partial-"
+_QUARANTINED = ".quarantined-"
+QUARANTINE_NOTE = "QUARANTINE.txt"
 
 
 class CheckpointError(ValueError):
@@ -154,13 +159,31 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
   return Checkpoint(directory, params, cfg, metadata)
 
 
+def quarantine(directory: str | os.PathLike, reason: str) -> pathlib.Path:
+  """Moves a checkpoint that failed to restore aside (never deletes it); returns where.
+
+  The reason is written into the moved directory as QUARANTINE.txt, and logged.
+  """
+  directory = pathlib.Path(directory).absolute()
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+  target = directory.with_name(f"{directory.name}{_QUARANTINED}{stamp}-{uuid.uuid4().hex[:8]}")
+  os.rename(directory, target)
+  (target / QUARANTINE_NOTE).write_text(
+      f"Moved here from {directory} at {stamp}: it failed to restore.\n{reason}\n")
+  logging.warning("checkpoint %s failed to restore (%s); moved to %s (kept, not deleted) and "
+                  "recomputing it", directory, reason, target)
+  return target
+
+
 def load_or_create(directory: str | os.PathLike,
                    create: Callable[[], tuple[Any, GPT2Config, dict]],
                    export_hf: bool = True) -> tuple[Checkpoint, bool]:
   """Returns (checkpoint, created): the valid checkpoint at `directory`, else `create()`'s.
 
-  `create` returns (params, cfg, metadata) and runs only when no valid checkpoint exists. An
-  invalid directory (and any `.partial-*` leftovers of an interrupted save) is deleted first.
+  `create` returns (params, cfg, metadata) and runs only when no valid checkpoint exists. A
+  directory that fails to restore is quarantined (`quarantine`), never deleted: the error may
+  be transient or a version mismatch, and the checkpoint may have cost hours. Leftovers of an
+  interrupted save (`.partial-*`, never complete) are removed.
   """
   directory = pathlib.Path(directory).absolute()
   if directory.exists():
@@ -169,8 +192,7 @@ def load_or_create(directory: str | os.PathLike,
       logging.info("reusing checkpoint %s (params sha256 %s)", directory, checkpoint.sha256)
       return checkpoint, False
     except CheckpointError as e:
-      logging.warning("discarding invalid checkpoint: %s", e)
-      shutil.rmtree(directory)
+      quarantine(directory, str(e))
   for leftover in directory.parent.glob(directory.name + _PARTIAL + "*"):
     shutil.rmtree(leftover, ignore_errors=True)
   params, cfg, metadata = create()

@@ -10,11 +10,14 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 
 from lla.evidence import files
 
 POLICY_DIR = os.path.join(os.path.dirname(__file__), "policies")
 DEFAULT_POLICY = "scorecard-policy.v3"
+# A policy name: a file of POLICY_DIR, never a path.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REQUIRED = ("policy_id", "created", "threshold_pp", "wilson_z", "min_seeds",
              "seed_fields", "reference_rule", "bootstrap", "primary_test")
 
@@ -37,10 +40,25 @@ class Policy:
   path: str
 
 
+def policy_path(name: str) -> str:
+  """policies/<name>.json for a policy name; a path (or '..') is refused, so that a name
+  read from a capture or a record cannot point outside the policy directory."""
+  if not isinstance(name, str) or not _NAME.match(name) or name.endswith(".json") \
+      or ".." in name:
+    raise ValueError(f"policy name {name!r}: expected a policy name under {POLICY_DIR} "
+                     "(letters, digits, '.', '_', '-'), not a path")
+  return os.path.join(POLICY_DIR, name + ".json")
+
+
+def load_named_policy(name: str) -> Policy:
+  """Loads the policy called `name` (see `policy_path`); for names taken from data."""
+  return load_policy(policy_path(name))
+
+
 def load_policy(name_or_path: str = DEFAULT_POLICY) -> Policy:
-  """Loads `policies/<name>.json` or an explicit path, validating fields."""
-  path = (name_or_path if name_or_path.endswith(".json") else
-          os.path.join(POLICY_DIR, name_or_path + ".json"))
+  """Loads `policies/<name>.json` or an explicit `.json` path given by the user,
+  validating fields."""
+  path = (name_or_path if name_or_path.endswith(".json") else policy_path(name_or_path))
   try:
     with open(path, "rb") as f:
       data = f.read()

@@ -37,6 +37,10 @@ def score_records(run_dir: str, records, tokenizer=None
   Raises:
     ValueError naming the file when a prediction's hash or shape is wrong.
   """
+  tampered = [p for p in rundir.check_against_log(run_dir)
+              if p.split("/")[0] in (rundir.PREDICTIONS, rundir.RECORDS)]
+  if tampered:
+    raise ValueError(f"{run_dir}: " + "; ".join(tampered) + "; run verify")
   truths, scored, per_doc, similar = {}, [], {}, {}
   for r in records:
     if r.status != "ok":
@@ -294,11 +298,10 @@ def to_bytes(card: dict) -> bytes:
 
 
 def write(run_dir: str, card: dict, overwrite: bool = False) -> None:
-  """Writes scorecard.json and scorecard.md atomically."""
-  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_JSON),
-                           to_bytes(card), overwrite)
-  files.atomic_write_bytes(os.path.join(run_dir, rundir.SCORECARD_MD),
-                           markdown(card).encode("utf-8"), overwrite)
+  """Writes scorecard.json and scorecard.md atomically, each logged with its sha256."""
+  rundir.save_file(run_dir, rundir.SCORECARD_JSON, to_bytes(card), "scorecard", overwrite)
+  rundir.save_file(run_dir, rundir.SCORECARD_MD, markdown(card).encode("utf-8"), "scorecard",
+                   overwrite)
 
 
 def diff(a, b, path: str = "") -> list[str]:
@@ -337,7 +340,9 @@ def markdown(card: dict) -> str:
                f"({100 * cov['unmeasured_share']:.1f}%)**; partial "
                f"{c['partial']}, covered {c['covered']}, out of scope "
                f"{c['out of scope']}; plus {len(cov['declared_unmeasured'])} "
-               "declared-unmeasured threat classes.")
+               "declared-unmeasured threat classes"
+               + (f"; **{len(cov['unplaced'])} record(s) placed in no cell** (listed "
+                  "under Coverage)." if cov["unplaced"] else "."))
   else:
     out.append("**Unmeasured share: no threat space declared.**")
   out += ["", f"Policy `{pol['policy_id']}` sha256 `{pol['sha256'][:16]}...`, "
@@ -418,6 +423,10 @@ def markdown(card: dict) -> str:
             for c in cov["cells"]]
     out += ["", "Declared unmeasured: " + "; ".join(
         d["class"] for d in cov["declared_unmeasured"])]
+    if cov["unplaced"]:
+      out += ["", "Unplaced records (they ran, but no cell of the declared threat space "
+              "holds them; they count toward no cell):", ""]
+      out += [f"- {u['run_id']}: {u['reason']}" for u in cov["unplaced"]]
   if card["qualification"] is not None:
     out += ["", "## Qualification (separate from attack results)", "",
             "| module | " + " | ".join(qualification_lib.KINDS) +
@@ -448,10 +457,14 @@ def score_run(run_dir: str, cfg, modules: list[dict] | None = None,
   Args:
     run_dir: the run directory.
     cfg: configs/scoring.py config (policy, threat_space, secondary).
-    modules: attack registry entries as dicts.
+    modules: attack registry entries as dicts; None: every registered attack's
+      (lla.attacks.registry.module_entries), so that coverage places every record.
     qualification_evidence: see `qualification.matrix`.
     overwrite: replace an existing scorecard (otherwise FileExistsError).
   """
+  if modules is None:
+    from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+    modules = registry.module_entries()
   tokenizer = None
   if cfg.text_rouge:
     from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top

@@ -553,10 +553,12 @@ def _bad_record(c) -> bool:
 def _rescore_bytes(c) -> bool:
   run = c.copy("base", "rescore")
   card = c.card(run, contrasts=True)
+  rundir.reopen(run)
   scorecard.write(run, card)
+  rundir.finalize(run)
   again = scorecard.build_from_inputs(run, card["inputs"], c.policy)
   with open(os.path.join(run, rundir.SCORECARD_JSON), "rb") as f:
-    return f.read() == scorecard.to_bytes(again)
+    return f.read() == scorecard.to_bytes(again) and rundir.verify(run) == []
 
 
 def _model_relabel(c) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lla import defenses
-from lla.attacks import replay
+from lla.attacks import memory, replay
 from lla.capture import capture, store
 from lla.defenses import aware, training, utility
 from lla.evidence import files
@@ -108,7 +108,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
     for seed in config.attack_seeds:
       common = dict(run_prefix=f"def_{label}/m{target.model_seed}/s{seed}/",
                     reference_prefix=f"{undefended.name}/s{seed}/", model_seed=target.model_seed,
-                    memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                    memory_budget_bytes=memory.chunk_budget_bytes(
+                        int(config.memory_budget_mb) << 20)[0])
       replay.replay(str(study), str(directory), attacker, list(config.defense_attacks),
                     config.budget, int(seed), **common)
       if aware_too:

@@ -6,12 +6,15 @@ Layout of `workdir`:
     finetune/k{k}_{knowledge}/     fine-tuned targets, one per model seed (cached)
     captures/<name>/               boundary messages of each target (cached, hash-verified)
     study/                         the run directory of every attack record (lla.evidence)
-    decoy/                         the decoy-row training split (lla.decoy), its own table
+    decoy/                         the decoy-row training split (lla.decoy): its captures and
+                                   own table; its attacks' results are records of study/
     report/                        report.md and its figures
 
 Every phase reuses finished artifacts: checkpoints and captures are verified by hash, and
-replay skips attacks whose predictions and records are already in the study. A finished
-(sealed) study is verified and only its report is rendered again.
+replay skips attacks whose predictions and records are already in the study. The scorecard
+carries coverage over every registered module and the qualification matrix
+(lla.study.qualification). A finished (sealed) study is verified and only its report is
+rendered again.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from absl import logging
 from tqdm import tqdm
 
 from lla import data
-from lla.attacks import registry, replay
+from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
-from lla.evidence import files, manifest, rundir
+from lla.evidence import files, rundir
 from lla.scoring import scorecard
 from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
+from lla.study import qualification as study_qualification
 from lla.train import finetune as finetune_lib
 from lla.train import pretrain as pretrain_lib
 from lla.model.checkpoint import params_sha256
@@ -76,12 +80,13 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
-def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path):
-  """((params, cfg, provenance), source) of the base: pre-trained here, or loaded (paper)."""
+def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits):
+  """((params, cfg, provenance), source) of the base: pre-trained here (never on this job's
+  training or evaluation passages, `splits`), or loaded (paper)."""
   from lla.train import models
   model = config.model
   if not (model.hf_dir or model.hub or model.checkpoint):
-    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain")
+    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain", exclude=splits)
     model = ml_collections.ConfigDict(model.to_dict())
     model.checkpoint = str(checkpoint.path)
   source = {k: model[k] for k in ("hf_dir", "checkpoint", "hub") if model[k]}
@@ -114,7 +119,9 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
     store.reuse_or_write(directory, lambda d, t=target: capture.capture_target(
         d, t.params, t.cfg, splits.evaluation.tokens, splits.evaluation.document_ids, t.cut,
         model_id=t.model_id, corpus=splits.corpus, split_hashes=hashes, training=True,
-        batch_size=int(config.capture_batch_size)))
+        batch_size=int(config.capture_batch_size)),
+        expected={"T.model_id": target.model_id, "T.cut": target.cut,
+                  "C.split_hashes": hashes})
     out[target.name] = directory
   return out
 
@@ -122,12 +129,17 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
 def attack_targets(config, study: pathlib.Path, targets: list[Target], captures: dict,
                    calibration: np.ndarray) -> None:
   jobs = [(t, s) for t in targets for s in config.attack_seeds]
+  chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+  if targets:
+    logging.info("attacks on %s:\n%s", targets[0].name, memory.describe_replay(
+        str(captures[targets[0].name]), targets[0].cfg, config.attacks, config.budget.to_dict(),
+        chunk_budget, where))
   for target, seed in tqdm(jobs, desc="attacks", unit="replay"):
     primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
     attacks = list(config.attacks if primary else config.secondary_attacks)
     replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks, config.budget,
                   int(seed), run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
-                  memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                  memory_budget_bytes=chunk_budget)
 
 
 def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
@@ -138,14 +150,29 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     splits = data.load_splits(**{**config.data.to_dict(), "corpus": corpus,
                                  "n_eval": int(config.corpus_study.n_eval)})
     directory = workdir / CAPTURES / f"corpus_{corpus}_k{cut}"
+    hashes = {n: p.sha256 for n, p in splits.items()}
     store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
         d, params, cfg, s.evaluation.tokens, s.evaluation.document_ids, cut,
-        model_id=provenance["params_sha256"], corpus=s.corpus,
-        split_hashes={n: p.sha256 for n, p in s.items()}, training=False))
+        model_id=provenance["params_sha256"], corpus=s.corpus, split_hashes=hashes,
+        training=False),
+        expected={"T.model_id": provenance["params_sha256"], "T.cut": cut,
+                  "C.split_hashes": hashes})
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"], config.budget, 0,
-                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=int(config.memory_budget_mb) << 20)
+                  run_prefix=f"corpus_{corpus}/", memory_budget_bytes=memory.chunk_budget_bytes(
+                      int(config.memory_budget_mb) << 20)[0])
+
+
+def score(config, study: pathlib.Path) -> dict:
+  """The study's scorecard, with every registered module's coverage and qualification.
+
+  Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
+  """
+  modules = registry.module_entries()
+  evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
+  return scorecard.score_run(str(study), config.scoring, modules=modules,
+                             qualification_evidence=evidence, overwrite=True)
 
 
 def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
@@ -167,7 +194,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   workdir = pathlib.Path(workdir)
   study = workdir / STUDY
   start = time.time()
-  if (study / manifest.MANIFEST_NAME).exists():
+  if (study / rundir.LOG).exists() and rundir.log(str(study)).sealed:
+    # Finished; a crash between the seal and the manifest left the manifest to write.
+    rundir.finalize(str(study))
     problems = rundir.verify(str(study))
     if problems:
       raise ValueError(f"{study}: finished study fails verification: " + "; ".join(problems))
@@ -177,8 +206,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   registry.load_plugins(config.plugins)
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
-  base, base_source = base_model(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
+  base, base_source = base_model(config, workdir, splits)
   _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   config_json = json.loads(config.to_json())
@@ -199,11 +228,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase(workdir, "defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits, base)
   _phase(workdir, "decoy-row training split")
-  decoy_run.run(config.decoy, str(workdir / DECOY))
+  # Its attacks' results are records of the study, so that coverage counts them.
+  decoy_run.run(config.decoy, str(workdir / DECOY), study=str(study))
   _phase(workdir, "scoring")
-  # Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
-  scorecard.score_run(str(study), config.scoring, modules=registry.module_entries(),
-                      overwrite=True)
+  score(config, study)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
   _log_invocation(workdir, "finished_unix", time.time())

@@ -108,18 +108,55 @@ def corpus_table(card: dict, cut: int) -> list[str]:
   return lines
 
 
+def _interval(entry: dict) -> str:
+  return f"[{entry['lo']:+.2f}, {entry['hi']:+.2f}]"
+
+
+def _contrast_name(name: str) -> str:
+  return " − ".join(name.split("-", 1)) if "-" in name else name
+
+
 def contrasts(card: dict) -> list[str]:
-  lines = []
+  """The primary test and the secondary contrasts as one table, then the verdict."""
+  if card["contrasts"] is None:
+    return ["Not computed for this scorecard."]
   test = card["contrasts"]["test"]
+  setting = f"k = {test['cut']}, {test['knowledge']} knowledge"
+  lines = ["| contrast | corpus | estimate (pp) | interval (pp) | threshold | passed |",
+           "|---|---|---|---|---|---|"]
+  verdicts = []
   for entry in card["contrasts"]["primary"]:
+    name = f"**primary**: {test['treatment']} − {test['control']} ({setting})"
     if not entry.get("evaluated"):
-      lines.append(f"- primary ({test['name']}): not evaluated: {entry.get('reason')}")
+      lines.append(f"| {name} | {entry.get('corpus', '—')} | — | — | lower bound > "
+                   f"{test['lower_bound_above_pp']:+.1f} | not evaluated |")
+      verdicts.append(f"The pre-registered primary test ({test['name']}) was not evaluated: "
+                      f"{entry.get('reason')}.")
       continue
-    lines.append(f"- primary ({test['name']}, corpus {entry.get('corpus')}): "
-                 f"{json.dumps({k: v for k, v in entry.items() if k != 'evaluated'}, sort_keys=True)}")
+    level = f"{100 * entry['confidence']:.0f}%"
+    lines.append(f"| {name} | {entry['corpus']} | {entry['estimate']:+.2f} | "
+                 f"{_interval(entry)} ({level}) | lower bound > "
+                 f"{entry['threshold_pp']:+.1f} | {'yes' if entry['passed'] else 'no'} |")
+    verdicts.append(
+        f"The pre-registered primary test ({test['treatment']} minus {test['control']} "
+        f"token recovery, {setting}, corpus {entry['corpus']}, {entry['models']} models x "
+        f"{entry['documents']} documents) is {'met' if entry['passed'] else 'not met'}: "
+        f"{entry['estimate']:+.2f} pp, {level} interval {_interval(entry)} "
+        f"{'lies above' if entry['passed'] else 'does not lie above'} "
+        f"{entry['threshold_pp']:+.1f} pp.")
   for entry in card["contrasts"]["secondary"]:
-    lines.append(f"- secondary (Bonferroni): {json.dumps(entry, sort_keys=True)}")
-  return lines or ["- none evaluated"]
+    name = f"secondary: {_contrast_name(entry['contrast'])}"
+    if entry.get("evaluated") is False:
+      lines.append(f"| {name} | {entry.get('corpus', '—')} | — | — | — | not evaluated: "
+                   f"{entry.get('reason')} |")
+      continue
+    level = (f"{100 * entry['confidence']:.2f}%, Bonferroni over "
+             f"{entry['bonferroni_k']}")
+    lines.append(f"| {name} | {entry['corpus']} | {entry['estimate']:+.2f} | "
+                 f"{_interval(entry)} ({level}) | — (reported, no threshold) | — |")
+  if len(lines) == 2:
+    return ["No contrast evaluated."]
+  return lines + [""] + verdicts
 
 
 def recovery_figure(card: dict, path: pathlib.Path) -> None:

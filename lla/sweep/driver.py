@@ -7,8 +7,8 @@
 Everything is checked before anything runs (every cell's attacks and budget). Finished cells
 are verified by hash and skipped, so a killed sweep resumes. Results are written as cells
 finish, whichever backend ran them; a cell that failed is reported and left unwritten, so
-the next run retries it. When every cell is finished the study is sealed (log seal and
-manifest, as lla.evidence.rundir.finalize), after which it verifies with
+the next run retries it. The study is sealed (lla.evidence.rundir.finalize) whenever a run
+ends, and reopened by the next one that has cells to add, so it always verifies with
 `python -m experiments.verify --workdir=WORKDIR/study`.
 """
 
@@ -22,7 +22,7 @@ import ml_collections
 from absl import logging
 from tqdm import tqdm
 
-from lla.evidence import hashlog, manifest, rundir
+from lla.evidence import rundir
 from lla.sweep import backends, cells as cells_lib, study as study_lib, worker as worker_lib
 
 FRONTIER = "frontier"
@@ -64,33 +64,28 @@ def run(config: ml_collections.ConfigDict, workdir: str, backend: str = "local",
   study_lib.open_study(study, config.policy, config.name)
   done = {c.cell_id: study_lib.finished(study, c) for c in cells}
   todo = [c for c in cells if done[c.cell_id] is None]
-  sealed = os.path.exists(os.path.join(study, manifest.MANIFEST_NAME))
-  if todo and sealed:
-    raise study_lib.StudyError(f"{study} is finished (sealed) and this sweep has "
-                               f"{len(todo)} cells it lacks: use a new --workdir")
-  for cell in todo:
-    study_lib.discard_orphans(study, cell)
   failed = {}
   if todo:
-    runner = backends.make(backend, workdir, **backend_options)
-    groups = cells_lib.groups(todo)
-    logging.info("sweep: %d cells (%d finished before), %d groups, backend %s", len(cells),
-                 len(cells) - len(todo), len(groups), backend)
-    try:
-      with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell",
-                desc=f"sweep ({backend})") as bar:
-        for cell, result in runner.run(groups):
-          if isinstance(result, BaseException):
-            failed[cell.cell_id] = f"{type(result).__name__}: {result}"
-            bar.set_postfix(failed=len(failed))
-          else:
-            study_lib.write_cell(study, cell, result)
-          bar.update()
-    finally:
-      runner.close()
-  if not failed and not sealed and not only and hashlog.verify_log(
-      os.path.join(study, rundir.LOG), require_sealed=False).ok:
-    rundir.finalize(study)
+    # A finished (sealed) study is reopened and sealed again: a sweep can grow.
+    with rundir.extending(study, always_finalize=True):
+      for cell in todo:
+        study_lib.discard_orphans(study, cell)
+      runner = backends.make(backend, workdir, **backend_options)
+      groups = cells_lib.groups(todo)
+      logging.info("sweep: %d cells (%d finished before), %d groups, backend %s", len(cells),
+                   len(cells) - len(todo), len(groups), backend)
+      try:
+        with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell",
+                  desc=f"sweep ({backend})") as bar:
+          for cell, result in runner.run(groups):
+            if isinstance(result, BaseException):
+              failed[cell.cell_id] = f"{type(result).__name__}: {result}"
+              bar.set_postfix(failed=len(failed))
+            else:
+              study_lib.write_cell(study, cell, result)
+            bar.update()
+      finally:
+        runner.close()
   summary = Summary(len(cells), len(cells) - len(todo), len(todo) - len(failed), failed,
                     time.perf_counter() - start, study)
   if failed:

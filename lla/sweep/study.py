@@ -77,9 +77,7 @@ def discard_orphans(study: str, cell: cells_lib.Cell) -> None:
     directory = os.path.join(study, sub)
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
       if name.startswith(f"{cell.cell_id}__") and name.endswith(suffix):
-        os.remove(os.path.join(directory, name))
-        rundir.log(study).append({"type": "discard_orphan", "file": f"{sub}/{name}",
-                                  "cell": cell.cell_id})
+        rundir.remove_file(study, f"{sub}/{name}", "discard_orphan", cell=cell.cell_id)
 
 
 def write_cell(study: str, cell: cells_lib.Cell, result) -> dict:
@@ -108,15 +106,12 @@ def write_cell(study: str, cell: cells_lib.Cell, result) -> dict:
         raise StudyError(f"{prediction_rel}: sha256 differs from its record's")
     record_rel = rundir.save_record(study, attack["file"], record)
     entries.append({"attack": attack["name"], "run_id": record.run_id, "status": record.status,
-                    "record": record_rel,
-                    "record_sha256": files.sha256_file(os.path.join(study, record_rel)),
+                    "record": record_rel, "record_sha256": files.sha256_bytes(record.to_json()),
                     "predictions": prediction_rel, "prediction_sha256": prediction_sha,
                     "flops": record.flops})
   stored = {"schema": SCHEMA, "cell_id": cell.cell_id, "group": cell.group,
             "config": cell.config, "e_hash": e_hash, "attacks": entries,
             "worker": result.worker, "wall_s": result.wall_s}
-  path = cell_path(study, cell.cell_id)
-  files.atomic_write_json(path, stored)
-  rundir.log(study).append({"type": "cell", "cell": cell.cell_id,
-                            "sha256": files.sha256_file(path)})
+  rundir.save_file(study, f"{CELLS}/{cell.cell_id}.json", files.canonical_json(stored), "cell",
+                   cell=cell.cell_id)
   return stored

@@ -37,13 +37,15 @@ def _windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
   return data.passages.cut_windows(stream, seq_len)
 
 
-def load_pretraining_data(config: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+def load_pretraining_data(config: ml_collections.ConfigDict,
+                          exclude: data.Splits | None = None) -> tuple[np.ndarray, np.ndarray]:
   """WikiText-2 (train windows [N, T], valid windows [M, T]) with T = config.seq_len.
 
-  The passages of `config.exclude_splits` of the protocol's split draw (config.data) are cut out
-  of train first, so that the base model never saw the fine-tuning or attacked documents.
+  The passages of `config.exclude_splits` of `exclude` (default: the split draw of
+  config.data) are cut out of train first, so that the base model never saw the fine-tuning
+  or attacked documents. A job that fine-tunes on another draw passes its own.
   """
-  splits = data.load_splits_from_config(config.data)
+  splits = data.load_splits_from_config(config.data) if exclude is None else exclude
   kwargs = dict(cache_dir=config.data.cache_dir)
   train = data.pretraining_tokens(config.data.data_dir, "train", exclude=splits,
                                   exclude_splits=tuple(config.exclude_splits), **kwargs)
@@ -51,27 +53,38 @@ def load_pretraining_data(config: ml_collections.ConfigDict) -> tuple[np.ndarray
   return _windows(train, config.seq_len), valid[:config.eval_windows or None]
 
 
+def excluded_hashes(config: ml_collections.ConfigDict, splits: data.Splits) -> dict:
+  """{split: sha256} of the passages cut out of pre-training (recorded and compared)."""
+  return {name: getattr(splits, name).sha256 for name in config.exclude_splits}
+
+
 def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
              train_tokens: np.ndarray | None = None,
-             valid_tokens: np.ndarray | None = None) -> ckpt.Checkpoint:
+             valid_tokens: np.ndarray | None = None,
+             exclude: data.Splits | None = None) -> ckpt.Checkpoint:
   """Returns the checkpoint in `workdir/checkpoint`, training it first if there is none.
 
   Args:
     config: see configs/pretrain.py.
     workdir: run directory.
     train_tokens, valid_tokens: int32 [N, T] windows overriding the WikiText-2 ones (tests).
+    exclude: the split draw whose `config.exclude_splits` pre-training must not see
+      (default: config.data's draw); the main job passes its own.
 
   Raises:
-    ValueError: the cached checkpoint was made with a different config.
+    ValueError: the cached checkpoint was made with a different config or exclusion.
   """
   cfg = models.gpt2_config(config.model)
   run_config = json_config(config)
+  if train_tokens is None:
+    exclude = data.load_splits_from_config(config.data) if exclude is None else exclude
+    run_config["excluded_sha256"] = excluded_hashes(config, exclude)
   directory = pathlib.Path(workdir) / CHECKPOINT_DIR
 
   def create():
     nonlocal train_tokens, valid_tokens
     if train_tokens is None:
-      train_tokens, valid_tokens = load_pretraining_data(config)
+      train_tokens, valid_tokens = load_pretraining_data(config, exclude)
     params = init_params(cfg, jax.random.key(config.seed))
     logging.info("pretraining %s (%d params) on %s windows for %d steps of %d x %d tokens",
                  config.model.name, param_count(params), train_tokens.shape, config.num_steps,

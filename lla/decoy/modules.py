@@ -1,0 +1,48 @@
+"""The decoy-row attacks (PROTOCOL section 7) in the attack catalogue.
+
+They run in lla.decoy.run on the frames of a decoy-row capture (not on a replay
+Workspace) and write their own records into the main job's study (lla.decoy.records), so
+they are listed with `registry.describe`: coverage places their records and the
+qualification matrix lists them, while replay never runs them.
+
+  decoy_structural                     real/decoy row mask from the returned-gradient rows
+  decoy_content_<features>_<classifier>  known-plaintext probe on the real rows' features
+"""
+
+from __future__ import annotations
+
+from lla.attacks import registry
+
+STRUCTURAL = "decoy_structural"
+CONTENT_FAMILY = "decoy_content"
+# Features of the content probe (lla.decoy.attacks.FEATURES) -> what they read.
+FEATURE_OBSERVATIONS = {"gradient": ("gradients",), "forward": ("activations",),
+                        "joined": ("activations", "gradients")}
+CLASSIFIERS = ("linear", "mlp")
+_THREAT = ("the untrusted cloud node of the decoy-row split: sees every frame it is sent and "
+           "every gradient it is returned; holds no client weights beyond the public "
+           "initialisation (knowledge 'trained')")
+
+
+def content_name(features: str, classifier: str) -> str:
+  return f"{CONTENT_FAMILY}_{features}_{classifier}"
+
+
+registry.describe(registry.AttackSpec(
+    STRUCTURAL, "decoy_structural", ("gradients",), knowledge=("trained",),
+    needs_weights=False, reference="PROTOCOL.md section 7", threat_model=_THREAT,
+    description="a row is real iff its returned-gradient row is not all zero",
+    checks=(("synthetic", "tests/test_decoy_system.py::test_structural_attack",
+             "exact frames on a trained tiny split; base rate with the mitigation"),)))
+
+for _features, _observations in FEATURE_OBSERVATIONS.items():
+  for _classifier in CLASSIFIERS:
+    registry.describe(registry.AttackSpec(
+        content_name(_features, _classifier), CONTENT_FAMILY, _observations,
+        knowledge=("trained",), needs_weights=False, reference="PROTOCOL.md section 7",
+        threat_model=_THREAT,
+        description=f"known-plaintext {_classifier} probe on the real rows' {_features} "
+        "features, scored on the held-out half of the frames",
+        checks=(("synthetic",
+                 "tests/test_decoy_system.py::test_probe_detects_injected_leak_not_shuffled_labels",
+                 "fires on injected leaks, not on shuffled labels"),)))

@@ -1,0 +1,120 @@
+"""Decoy-row results as study records: the scorer recomputes the decoy experiment's numbers.
+
+One capture of a tiny decoy-row split (synthetic tokens, 64 frames, no mitigation, short
+linear probes) is analysed with its predictions kept and written into a study; the records
+must verify, be placed by coverage in the decoy cells, and re-score to the experiment's own
+row agreement, probe accuracies and baseline, from predictions and the capture's scored
+views alone. (The main job's use of it, both arms and three seeds, is tests/test_e2e_*.)
+"""
+
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from configs import decoy_leak
+from configs import scoring as scoring_config
+from lla.attacks import registry
+from lla.decoy import capture, modules
+from lla.decoy import records as decoy_records
+from lla.decoy import run as decoy_run
+from lla.evidence import manifest, rundir
+from lla.scoring import policy as policy_lib
+from lla.scoring import scorecard
+
+
+def _config():
+  config = decoy_leak.get_config("tiny")
+  config.protocol.steps = 64
+  config.protocol.pool_size = 128
+  config.data.synthetic_tokens = 6000
+  config.train.chunk = 32
+  config.eval.blocks = 8
+  config.probe.steps = 20
+  config.probe.classifiers = ("linear",)  # 3 arms: one compiled probe per feature width
+  return config
+
+
+@pytest.fixture(scope="module")
+def decoy(tmp_path_factory):
+  root = tmp_path_factory.mktemp("decoy")
+  study = str(root / "study")
+  pol = policy_lib.load_policy()
+  rundir.create_study(study, {"G": {"policy": pol.policy_id, "policy_sha256": pol.sha256}})
+  config = _config()
+  policy, policy_sha = decoy_run.load_policy(config.policy)
+  directory = str(root / "decoy" / "capture_none")
+  decoy_run.train_and_capture(config, 0, "none", decoy_run.load_data(config), policy_sha,
+                              directory)
+  predictions = {}
+  result = decoy_run.analyse(directory, config, policy, 0, calibrate_it=False,
+                             predictions=predictions)
+  written = decoy_records.write(study, directory, config, 0, "none", predictions["structural"],
+                                predictions["content"], predictions["content_baseline"], 1.0)
+  return root, study, config, result, written, predictions
+
+
+def test_records_reproduce_the_decoy_numbers(decoy):
+  _, study, config, result, written, _ = decoy
+  assert sorted(r.attack for r in written) == sorted(decoy_records.names(config))
+  space = scorecard.threat_space_from_config(scoring_config.get_config().threat_space)
+  card = scorecard.build(study, threat_space=space, modules=registry.module_entries())
+  rows = {r["run_id"]: r["metrics"] for r in card["rows"]}
+  assert len(rows) == 4
+  s = rows["decoy/none/m0/decoy_structural"]
+  assert s["token_recovery"] == result["structural"]["row_agreement"] == 1.0
+  assert (s["docs_exact"], s["docs"]) == (result["structural"]["frames_exact"], 64)
+  assert s["baseline_p0"] == pytest.approx(48 / 80)
+  content = result["content"]
+  for key, arm_result in content["arms"].items():
+    m = rows[f"decoy/none/m0/{modules.content_name(*key.split('/'))}"]
+    assert m["token_recovery"] == pytest.approx(arm_result["accuracy"], abs=1e-15)
+    assert m["baseline_p0"] == pytest.approx(content["baseline"]["accuracy"], abs=1e-15)
+    assert m["n"] == content["n_rows"] == 32 * 32
+  cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
+           if c["knowledge"] == "trained" and c["defense"] == "decoy_rows"
+           and c["family"].startswith("decoy_")}
+  assert cells == {("decoy_structural", "gradients"): "partial",  # 1 seed of 3
+                   ("decoy_structural", "activations"): "unmeasured",
+                   ("decoy_structural", "activations+gradients"): "unmeasured",
+                   ("decoy_content", "gradients"): "partial",
+                   ("decoy_content", "activations"): "partial",
+                   ("decoy_content", "activations+gradients"): "partial"}
+  assert card["coverage"]["unplaced"] == []
+  rundir.finalize(study)
+  assert rundir.verify(study) == []
+
+
+def test_writing_again_reuses_the_records(decoy):
+  _, study, config, _, written, predictions = decoy
+  rundir.reopen(study)
+  before = rundir.logged_files(study)
+  again = decoy_records.write(study, str(decoy[0] / "decoy" / "capture_none"), config, 0,
+                              "none", predictions["structural"], predictions["content"],
+                              predictions["content_baseline"], 1.0)
+  assert again == written and rundir.logged_files(study) == before
+  rundir.finalize(study)
+
+
+def test_capture_write_refuses_to_overwrite_and_read_checks_values(decoy, tmp_path):
+  root = decoy[0]
+  directory = str(root / "decoy" / "capture_none")
+  messages, truth, metadata, _ = capture.read(directory)
+  with pytest.raises(FileExistsError, match="refusing to overwrite"):
+    capture.write(directory, messages["forward"], messages["gradient"], truth, metadata)
+  copy = tmp_path / "cap"
+  capture.write(str(copy), messages["forward"], messages["gradient"], truth, metadata)
+  forward = load_file(str(copy / capture.MESSAGES))
+  forward["forward"][3, 1, 2] = np.nan
+  os.remove(copy / capture.MESSAGES)
+  save_file(forward, str(copy / capture.MESSAGES))
+  os.remove(copy / manifest.MANIFEST_NAME)
+  manifest.write_manifest(str(copy))
+  with pytest.raises(ValueError, match=r"forward contains NaN or Inf \(1 values\)"):
+    capture.read(str(copy))
+  wrong = dict(truth, input_tokens=truth["input_tokens"].astype(np.int64))
+  with pytest.raises(ValueError, match=r"input_tokens must be int32 \[64, 80\]"):
+    capture.write(str(tmp_path / "cap2"), messages["forward"], messages["gradient"], wrong,
+                  metadata)
+  assert not (tmp_path / "cap2").exists()
