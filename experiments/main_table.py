@@ -28,8 +28,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/main", "Run directory (resumed i
 
 def main(argv):
   del argv
+  distributed.initialize()  # Before anything touches a JAX backend.
   runtime.configure()
-  distributed.initialize()
   if not dist.is_leader():
     with dist.following():
       replay.follow(_CONFIG.value.plugins)

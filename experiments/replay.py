@@ -33,8 +33,8 @@ _INPUT_ERRORS = (replay.ReplayInputError, budget.BudgetError, registry.Incompati
 
 def main(argv):
   del argv
+  distributed.initialize()  # Before anything touches a JAX backend.
   runtime.configure()
-  distributed.initialize()
   if not dist.is_leader():
     with dist.following():
       replay.follow(_CONFIG.value.plugins)
