@@ -132,8 +132,8 @@ def gather_documents(tree):
   try:
     return multihost_utils.process_allgather(tree, tiled=True)
   except Exception as e:  # XLA reports a closed peer connection as a runtime error.
-    raise PeerLostError(f"process {process_index()} of {process_count()}: a peer process died "
-                        f"or became unreachable while gathering results ({e})") from e
+    raise PeerLostError(f"a peer process died or became unreachable while gathering results "
+                        f"({e})") from e
 
 
 def agree(status: dict) -> list[dict]:

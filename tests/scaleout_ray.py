@@ -1,4 +1,7 @@
-"""A real 2-node Ray cluster on loopback running a command: python tests/scaleout_ray.py OUT.json CMD...
+"""A real 2-node Ray cluster on loopback, running a command.
+
+  python tests/scaleout_ray.py OUT.json CMD...
+
 
 Starts `ray.cluster_utils.Cluster` (a head and one more node: two raylets, one CPU each),
 runs CMD with `--ray_address=<the cluster>` appended, samples the listening TCP sockets of

@@ -331,7 +331,8 @@ class Plan:
                      self.attacker.cfg, int(target["cut"]), self.attacker.calibration_tokens,
                      ridge_alpha=float(self.values["ridge_alpha"]),
                      memory_budget_bytes=memory_budget_bytes, mesh=mesh,
-                     calibration_transform=self.calibration_transform, batch_docs=batch_docs(self.capture.metadata),
+                     calibration_transform=self.calibration_transform,
+                     batch_docs=batch_docs(self.capture.metadata),
                      defense={"name": str(target["defense"]),
                               "params": dict(target["defense_params"] or {})})
 

@@ -92,7 +92,8 @@ def _best_within(runs: list[Point], flops: float) -> Point | None:
   return max(affordable, key=lambda p: (p.recovery, -p.flops)) if affordable else None
 
 
-def pairwise(all_points: list[Point], n_replicates: int = bootstrap.DEFAULT_REPLICATES) -> list[dict]:
+def pairwise(all_points: list[Point],
+             n_replicates: int = bootstrap.DEFAULT_REPLICATES) -> list[dict]:
   """Every pair of attacks compared at equal FLOPs (see the module doc)."""
   by_attack = {}
   for point in all_points:
@@ -146,7 +147,8 @@ def _knob_text(point: Point, varied: set[str]) -> str:
   return ", ".join(f"{k}={point.knobs[k]}" for k in sorted(varied) if k in point.knobs) or "—"
 
 
-def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLICATES) -> list[str]:
+def report(study: str, out_dir: str,
+           n_replicates: int = bootstrap.DEFAULT_REPLICATES) -> list[str]:
   """Writes the figure, the table (JSON) and frontier.md to out_dir; returns the markdown."""
   all_points = points(study)
   if not all_points:
