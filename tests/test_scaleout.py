@@ -15,12 +15,15 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import scaleout_net
 
@@ -250,15 +253,77 @@ def test_sweep_worker_killed_mid_cell_is_retried_and_written_once(ray_sweep):
 
 
 def test_sweep_on_submitit_local_executor_matches_local(ray_sweep, tmp_path):
-  """Two groups of the same sweep as submitit jobs (LocalExecutor: separate processes)."""
+  """One group of the same sweep (two cells) as a submitit job (LocalExecutor: a separate
+  process)."""
   require("submitit")
   _, local_dir, _, work = ray_sweep
   local = study_results(local_dir)
-  cells = sorted({run_id.split("/")[0] for run_id in local})
-  chosen = [c for c in cells if json.loads((local_dir / "study" / "cells" / f"{c}.json")
-                                           .read_text())["config"]["cut"] == 1][:2]
+  stored = [json.loads(p.read_text()) for p in sorted((local_dir / "study" / "cells").glob("*"))]
+  group = stored[0]["group"]
+  chosen = sorted(c["cell_id"] for c in stored if c["group"] == group)
+  assert len(chosen) == 2
   subprocess.run(sweep_command(work, tmp_path / "submitit", "--backend=submitit",
                                "--submitit_cluster=local", f"--cells={','.join(chosen)}"),
                  cwd=REPO, env=environment(work), check=True, timeout=TIMEOUT_S)
   results = study_results(tmp_path / "submitit")
   assert results and results == {k: v for k, v in local.items() if k.split("/")[0] in chosen}
+
+
+def test_sweep_resumes_verified_cells_and_refuses_changed_ones(ray_sweep, tmp_path):
+  _, local_dir, _, work = ray_sweep
+  workdir = tmp_path / "copy"
+  shutil.copytree(local_dir, workdir)
+  log_lines = len((workdir / "study" / "log.jsonl").read_text().splitlines())
+  done = subprocess.run(sweep_command(work, workdir), cwd=REPO, env=environment(work),
+                        capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "8 cells (8 finished before, 0 run)" in done.stdout
+  assert len((workdir / "study" / "log.jsonl").read_text().splitlines()) == log_lines
+  changed = sorted((workdir / "study" / "predictions").glob("*.npy"))[0]
+  changed.write_bytes(changed.read_bytes()[:-4] + b"\0\0\0\0")
+  refused = subprocess.run(sweep_command(work, workdir), cwd=REPO, env=environment(work),
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert refused.returncode != 0
+  assert f"{changed}: missing or changed" in refused.stderr
+
+
+def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path):
+  """lla.sweep.frontier on the local sweep's study: each point's token recovery, each
+  family's Pareto set and each pair's difference recomputed here with numpy."""
+  _, local_dir, _, work = ray_sweep
+  study, out = local_dir / "study", tmp_path / "frontier"
+  code = ("import sys; from lla.sweep import frontier; "
+          "frontier.report(sys.argv[1], sys.argv[2], n_replicates=2000)")
+  subprocess.run([sys.executable, "-c", code, str(study), str(out)], cwd=REPO,
+                 env=environment(work), check=True, timeout=TIMEOUT_S)
+  table = json.loads((out / "frontier.json").read_text())
+  assert (out / "frontier.png").stat().st_size > 10_000
+  truth = load_file(str(work / "cap" / "truth.safetensors"))["tokens"]
+  per_doc = {}
+  for point in table["points"]:
+    cell = json.loads((study / "cells" / f"{point['cell_id']}.json").read_text())
+    entry, = [e for e in cell["attacks"] if e["attack"] == point["attack"]]
+    record = json.loads((study / entry["record"]).read_text())
+    assert point["flops"] == record["flops"]
+    hits = np.load(study / entry["predictions"]) == truth
+    if record["scored_positions"] == "t>=1":
+      hits = hits[:, 1:]
+    assert point["recovery"] == pytest.approx(hits.mean(), abs=1e-12)
+    per_doc[(point["attack"], point["cell_id"])] = hits.mean(axis=1)
+  assert {p["attack"] for p in table["points"]} == {"ridge", "gradient_only", "dies_once"}
+  for family in {p["family"] for p in table["points"]}:
+    members = [(p["flops"], p["recovery"]) for p in table["points"] if p["family"] == family]
+    undominated = {p for p in members if not any(
+        q[0] <= p[0] and q[1] >= p[1] and q != p for q in members)}
+    assert {(p["flops"], p["recovery"]) for p in table["points"]
+            if p["family"] == family and p["on_frontier"]} == undominated
+  for row in table["pairwise"]:
+    runs = {a: [p for p in table["points"] if p["attack"] == row[a]] for a in ("a", "b")}
+    cap = min(max(p["flops"] for p in runs["a"]), max(p["flops"] for p in runs["b"]))
+    assert row["flops_cap"] == cap
+    best = {a: max((p for p in runs[a] if p["flops"] <= cap),
+                   key=lambda p: (p["recovery"], -p["flops"])) for a in ("a", "b")}
+    diff = (per_doc[(row["b"], best["b"]["cell_id"])]
+            - per_doc[(row["a"], best["a"]["cell_id"])])
+    assert row["diff_pp"] == pytest.approx(100 * diff.mean(), abs=1e-9)
+    assert row["lo_pp"] <= row["diff_pp"] <= row["hi_pp"]

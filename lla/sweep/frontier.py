@@ -156,15 +156,16 @@ def report(study: str, out_dir: str,
   os.makedirs(out_dir, exist_ok=True)
   figure(all_points, os.path.join(out_dir, FIGURE))
   rows = pairwise(all_points, n_replicates)
+  fronts = {id(p) for family in {p.family for p in all_points}
+            for p in pareto([q for q in all_points if q.family == family])}
   files.atomic_write_json(os.path.join(out_dir, TABLE),
-                          {"points": [p.to_json() for p in all_points], "pairwise": rows},
+                          {"points": [dict(p.to_json(), on_frontier=id(p) in fronts)
+                                      for p in all_points], "pairwise": rows},
                           overwrite=True)
   lines = ["## Attacks at matched FLOPs", "",
            f"![token recovery against FLOPs]({FIGURE})", "",
            "| family | attack | budget | FLOPs | token recovery | on the frontier |",
            "|---|---|---|---|---|---|"]
-  fronts = {id(p) for family in {p.family for p in all_points}
-            for p in pareto([q for q in all_points if q.family == family])}
   for attack in sorted({p.attack for p in all_points}):
     runs = [p for p in all_points if p.attack == attack]
     varied = {k for k in runs[0].knobs if len({str(p.knobs.get(k)) for p in runs}) > 1}
