@@ -4,12 +4,21 @@
 
 Killed at any point and started again with the same --workdir, it reuses every finished
 artifact (verified by hash); on a finished run it re-renders the report.
+
+As one job across processes (the same command on every process, a --workdir every host
+reads at the same path): process 0 runs every phase and alone writes; the others take their
+share of every attack's document chunks.
+
+  python -m experiments.main_table ... --coordinator_address=HOST0:PORT --num_processes=2 \
+      --process_id=$RANK
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from lla import runtime
+from experiments import distributed
+from lla import dist, runtime
+from lla.attacks import replay
 from lla.study import main_table
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
@@ -19,8 +28,14 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/main", "Run directory (resumed i
 
 def main(argv):
   del argv
+  distributed.initialize()  # Before anything touches a JAX backend.
   runtime.configure()
-  report = main_table.run(_CONFIG.value, _WORKDIR.value)
+  if not dist.is_leader():
+    with dist.following():
+      replay.follow(_CONFIG.value.plugins)
+    return
+  with dist.leading():
+    report = main_table.run(_CONFIG.value, _WORKDIR.value)
   print(f"report: {report}")
 
 

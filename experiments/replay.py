@@ -7,12 +7,19 @@ The run directory is sealed (log sealed, manifest written) when the command ends
 reseals it. A bad input (budget, calibration tokens, capture, attack name) is one line on
 stderr and a non-zero exit, with the run directory untouched. An attack that crashed is
 recorded as unmeasured, the others are kept, and the exit status is non-zero.
+
+As one job across processes (each process runs the same command; the capture and the
+attacker's weights must be readable at the same paths on every host; process 0 writes):
+
+  python -m experiments.replay ... --coordinator_address=HOST0:PORT --num_processes=2 \
+      --process_id=$RANK
 """
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from lla import runtime
+from experiments import distributed
+from lla import dist, runtime
 from lla.attacks import budget, registry, replay, replay_runner
 from lla.capture import store
 
@@ -26,9 +33,15 @@ _INPUT_ERRORS = (replay.ReplayInputError, budget.BudgetError, registry.Incompati
 
 def main(argv):
   del argv
+  distributed.initialize()  # Before anything touches a JAX backend.
   runtime.configure()
+  if not dist.is_leader():
+    with dist.following():
+      replay.follow(_CONFIG.value.plugins)
+    return
   try:
-    records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
+    with dist.leading():
+      records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value)
   except _INPUT_ERRORS as e:
     raise SystemExit(f"error: {e}") from None
   except KeyError as e:  # An unknown attack name.

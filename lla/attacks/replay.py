@@ -17,25 +17,30 @@ again on the same directory runs only the rest.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import traceback
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
+from lla import dist
 from lla import provenance as provenance_lib
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
-from lla.attacks.workspace import Workspace, document_mesh
+from lla.attacks.workspace import Workspace, document_mesh, spans_processes
 from lla.capture import store
 from lla.defenses import aware
 from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
+from lla.model.loading import load_model
 from lla.protocol import tuple as protocol
 from lla.scoring.policy import load_named_policy
 
@@ -258,7 +263,9 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     run_prefix: prefix of each record's run_id (e.g. "k6/public/model0/").
     reference_prefix: for defended captures, the run_id prefix of the linked undefended
       reference: each attack links `reference_prefix + attack`.
-    mesh: a document mesh, None for one device, or "auto" (every local device).
+    mesh: a document mesh, None for one device, or "auto" (every device of the job: in a
+      job across processes (lla.dist) this process leads and the others, in `follow`,
+      compute their share of every chunk).
     calibration_defense: {"name", "params", "attacker_seed"} of the defense a
       defense-aware attacker mimics on its calibration data (lla.defenses.aware); for
       defense-aware attacks, and only those.
@@ -271,9 +278,101 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError or
     store.CaptureError before anything is written, naming the problem.
   """
+  if not dist.is_leader():
+    raise RuntimeError(f"process {dist.process_index()}: replay runs on process 0 of a job "
+                       "across processes; the others serve it with lla.attacks.replay.follow")
+  plan = prepare(capture_dir, attacker, attacks, budget, seed, calibration_defense)
+  capture, specs, e = plan.capture, plan.specs, plan.e
+  for spec in specs:
+    _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
+                 capture.manifest_sha256)
+  _check_protocol(run_dir, e)
+  pin_inputs(run_dir, rundir.e_hash(e), plan.attacker, calibration_defense, check_only=True)
+  with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
+    e_hash = _register_protocol(run_dir, e)
+    pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
+    ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
+    done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
+    todo = [spec.name for spec in specs if done[spec.name] is None]
+    if todo and spans_processes(ws.mesh):
+      dist.send(plan.request(todo, memory_budget_bytes))
+    common = plan.record_fields(run_dir, e_hash, model_seed)
+    records = []
+    for spec in specs:
+      if done[spec.name] is not None:
+        logging.info("replay: %s already finished (%s), reused", spec.name,
+                     done[spec.name].prediction_sha256[:12])
+        records.append(done[spec.name])
+        continue
+      reference = None if reference_prefix is None else (
+          reference_prefix + (spec.reference_attack or spec.name))
+      records.append(_run_one(run_dir, ws, spec, plan.values, seed, run_prefix,
+                              {**common, "reference": reference}))
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A checked replay: what the capture and attacker are, E, and how to build the
+  Workspace, the same way on every process of a job."""
+
+  capture: store.Capture
+  attacker: Attacker
+  specs: list
+  values: dict
+  seed: int
+  calibration_defense: dict | None
+  calibration_transform: object
+  e: dict
+
+  def workspace(self, memory_budget_bytes: int, mesh) -> Workspace:
+    target = self.capture.metadata["protocol"]["T"]
+    return Workspace(self.capture.activations, self.capture.gradients, self.attacker.params,
+                     self.attacker.cfg, int(target["cut"]), self.attacker.calibration_tokens,
+                     ridge_alpha=float(self.values["ridge_alpha"]),
+                     memory_budget_bytes=memory_budget_bytes, mesh=mesh,
+                     calibration_transform=self.calibration_transform,
+                     batch_docs=batch_docs(self.capture.metadata),
+                     defense={"name": str(target["defense"]),
+                              "params": dict(target["defense_params"] or {})},
+                     capture_dir=self.capture.directory)
+
+  def record_fields(self, run_dir: str, e_hash: str, model_seed: int) -> dict:
+    """The fields every record of this replay shares."""
+    capture, target = self.capture, self.capture.metadata["protocol"]["T"]
+    return dict(
+        e_hash=e_hash, capture_dir=os.path.relpath(capture.directory, run_dir),
+        capture_sha256=capture.manifest_sha256,
+        truth_file=os.path.relpath(os.path.join(capture.directory, store.TRUTH_FILE), run_dir),
+        model_id=str(target["model_id"]), model_seed=int(model_seed), cut=int(target["cut"]),
+        knowledge=self.attacker.knowledge, corpus=capture.metadata["protocol"]["C"]["name"],
+        defense=str(target["defense"]), defense_params=dict(target["defense_params"] or {}),
+        seed=int(self.seed), provenance=provenance())
+
+  def request(self, attacks: list[str], memory_budget_bytes: int) -> dict:
+    """What a follower needs to take its share of `attacks` (JSON)."""
+    buffer = io.BytesIO()
+    np.save(buffer, self.attacker.calibration_tokens, allow_pickle=False)
+    return {"type": "replay", "capture_dir": self.capture.directory,
+            "capture_sha256": self.capture.manifest_sha256,
+            "attacker_source": dict(self.attacker.source),
+            "attacker_sha256": self.attacker.model_id, "knowledge": self.attacker.knowledge,
+            "calibration_npy": base64.b64encode(buffer.getvalue()).decode(),
+            "attacks": list(attacks), "budget": self.values, "seed": int(self.seed),
+            "calibration_defense": self.calibration_defense,
+            "memory_budget_bytes": int(memory_budget_bytes)}
+
+
+def prepare(capture_dir: str, attacker: Attacker, attacks: list[str], budget, seed: int,
+            calibration_defense: dict | None = None) -> Plan:
+  """Loads and checks everything a replay needs, before anything is written.
+
+  Raises:
+    ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError or
+    store.CaptureError, naming the problem.
+  """
   capture = store.load_capture(capture_dir)
-  target_meta = capture.metadata["protocol"]["T"]
-  defense = str(target_meta["defense"])
+  defense = str(capture.metadata["protocol"]["T"]["defense"])
   specs = [registry.get(name).spec for name in attacks]
   for spec in specs:
     registry.check_compatible(spec, capture.observations, attacker.knowledge,
@@ -285,52 +384,14 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   if attacker.cfg.n_embd != capture.activations.shape[-1]:
     raise ReplayInputError(f"attacker model has d={attacker.cfg.n_embd}, capture {capture_dir} "
                            f"has d={capture.activations.shape[-1]}")
-  vocab = attacker.cfg.vocab_size
-  calibration = check_calibration(attacker.calibration_tokens, vocab,
+  calibration = check_calibration(attacker.calibration_tokens, attacker.cfg.vocab_size,
                                   capture.activations.shape[1])
   attacker = dataclasses.replace(attacker, calibration_tokens=calibration)
-  values = budget_lib.validate(budget, specs, vocab)
-  calibration_transform = None if calibration_defense is None else \
+  values = budget_lib.validate(budget, specs, attacker.cfg.vocab_size)
+  transform = None if calibration_defense is None else \
       aware.calibration_transform(**calibration_defense)
-
   e = replay_protocol(capture, attacker, values, seed, calibration_defense)
-  for spec in specs:
-    _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
-                 capture.manifest_sha256)
-  _check_protocol(run_dir, e)
-  pin_inputs(run_dir, rundir.e_hash(e), attacker, calibration_defense, check_only=True)
-  with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
-    e_hash = _register_protocol(run_dir, e)
-    pin_inputs(run_dir, e_hash, attacker, calibration_defense)
-    ws = Workspace(capture.activations, capture.gradients, attacker.params, attacker.cfg,
-                   int(target_meta["cut"]), calibration, ridge_alpha=float(values["ridge_alpha"]),
-                   memory_budget_bytes=memory_budget_bytes,
-                   mesh=document_mesh() if mesh == "auto" else mesh,
-                   calibration_transform=calibration_transform,
-                   batch_docs=batch_docs(capture.metadata),
-                   defense={"name": defense, "params": dict(target_meta["defense_params"] or {})},
-                   capture_dir=capture.directory)
-    truth_file = os.path.relpath(os.path.join(capture.directory, store.TRUTH_FILE), run_dir)
-    common = dict(
-        e_hash=e_hash, capture_dir=os.path.relpath(capture.directory, run_dir),
-        capture_sha256=capture.manifest_sha256, truth_file=truth_file,
-        model_id=str(target_meta["model_id"]), model_seed=int(model_seed), cut=ws.cut,
-        knowledge=attacker.knowledge, corpus=capture.metadata["protocol"]["C"]["name"],
-        defense=defense, defense_params=dict(target_meta["defense_params"] or {}),
-        seed=int(seed), provenance=provenance())
-    records = []
-    for spec in specs:
-      done = _finished(run_dir, file_name(run_prefix + spec.name))
-      if done is not None:
-        logging.info("replay: %s already finished (%s), reused", spec.name,
-                     done.prediction_sha256[:12])
-        records.append(done)
-        continue
-      reference = None if reference_prefix is None else (
-          reference_prefix + (spec.reference_attack or spec.name))
-      records.append(_run_one(run_dir, ws, spec, values, seed, run_prefix,
-                              {**common, "reference": reference}))
-    return records
+  return Plan(capture, attacker, specs, values, int(seed), calibration_defense, transform, e)
 
 
 def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
@@ -344,36 +405,102 @@ def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
   return predictions.astype(np.int32)
 
 
-def _run_one(run_dir, ws: Workspace, spec, values: dict, seed: int, run_prefix: str,
-             common: dict) -> AttackRecord:
+def execute(ws: Workspace, spec, values: dict, seed: int):
+  """Runs one attack, metered: (AttackResult, predictions [B, T] int32, Charge, None), or
+  (None, None, Charge, the exception) when it crashed. Every process of a job runs this."""
   view = budget_lib.View(values, spec.budget_fields, spec.name)
-  run_id = run_prefix + spec.name
   with ws.attack_scope(spec.name):
     try:
       result = registry.get(spec.name)(ws, view, jax.random.key(seed))
       predictions = _check_predictions(result.predictions, ws)
+    except dist.JobError:  # The job lost a process: not the attack's failure.
+      raise
     except Exception as e:  # A crashed module is recorded as unmeasured, never as a failed attack.
       logging.error("attack %s crashed:\n%s", spec.name, traceback.format_exc())
-      charge = ws.charge(0.0)
-      record = AttackRecord(
-          run_id=run_id, attack=spec.name, family=spec.family, status="crashed",
-          error=f"{type(e).__name__}: {e}", prediction_file=None, prediction_sha256=None,
-          scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
-          budget=view.to_dict(), flops=None, flops_source=None, flops_analytic=None,
-          wall_s=charge.wall_s, compile_s=charge.compile_s, stages=charge.stages, details={},
-          **common)
-      rundir.save_record(run_dir, file_name(run_id), record)
-      return record
-    charge = ws.charge(result.flops_analytic)
-  rel, sha = rundir.save_predictions(run_dir, file_name(run_id), predictions)
-  record = AttackRecord(
-      run_id=run_id, attack=spec.name, family=spec.family, status="ok",
-      error=None, prediction_file=rel, prediction_sha256=sha,
+      return None, None, ws.charge(0.0), e
+    return result, predictions, ws.charge(result.flops_analytic), None
+
+
+def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, error,
+                prediction_file: str | None, prediction_sha256: str | None,
+                common: dict) -> AttackRecord:
+  """The record of one executed attack (`error` set: a crashed, unmeasured one)."""
+  view = budget_lib.View(values, spec.budget_fields, spec.name)
+  measured = error is None
+  return AttackRecord(
+      run_id=run_id, attack=spec.name, family=spec.family,
+      status="ok" if measured else "crashed",
+      error=None if measured else f"{type(error).__name__}: {error}",
+      prediction_file=prediction_file, prediction_sha256=prediction_sha256,
       scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
-      budget=view.to_dict(), flops=charge.flops, flops_source=charge.flops_source,
-      flops_analytic=charge.flops_analytic, wall_s=charge.wall_s, compile_s=charge.compile_s,
-      stages=charge.stages, details=dict(result.details), **common)
+      budget=view.to_dict(), flops=charge.flops if measured else None,
+      flops_source=charge.flops_source if measured else None,
+      flops_analytic=charge.flops_analytic if measured else None,
+      wall_s=charge.wall_s, compile_s=charge.compile_s, stages=charge.stages,
+      details=dict(result.details) if measured else {}, **common)
+
+
+def _run_one(run_dir, ws: Workspace, spec, values: dict, seed: int, run_prefix: str,
+             common: dict) -> AttackRecord:
+  run_id = run_prefix + spec.name
+  result, predictions, charge, error = execute(ws, spec, values, seed)
+  rel = sha = None
+  if error is None:
+    rel, sha = rundir.save_predictions(run_dir, file_name(run_id), predictions)
+  record = make_record(spec, ws, values, run_id, result, charge, error, rel, sha, common)
   rundir.save_record(run_dir, file_name(run_id), record)
-  logging.info("replay: %s done in %.1fs (%.1fs compiling), %.3g FLOPs (%s)", spec.name,
-               charge.wall_s, charge.compile_s, charge.flops, charge.flops_source)
+  if error is None:
+    logging.info("replay: %s done in %.1fs (%.1fs compiling), %.3g FLOPs (%s)", spec.name,
+                 charge.wall_s, charge.compile_s, charge.flops, charge.flops_source)
   return record
+
+
+class LeaderFailedError(RuntimeError):
+  """Process 0 of a job across processes stopped with an error."""
+
+
+def follow(plugins="") -> None:
+  """A follower's part of a job across processes (lla.dist): serves every replay process 0
+  announces, computing this process's share of each document chunk, until the leader's
+  job ends. Writes nothing.
+
+  Raises:
+    LeaderFailedError: the leader's job ended with an error (the followers stop too).
+    ValueError: this process sees another capture or attacker than the leader (hosts
+      without the same files at the same paths).
+  """
+  registry.load_plugins(plugins)
+  models = {}
+  while True:
+    message = dist.receive()
+    if message["type"] == "exit":
+      if message["error"]:
+        raise LeaderFailedError(f"process {dist.process_index()}: process 0 stopped: "
+                                f"{message['error']}")
+      return
+    _serve(message, models)
+
+
+def _serve(request: dict, models: dict) -> None:
+  """One replay announced by the leader: the same Workspace and attacks, nothing written."""
+  source = request["attacker_source"]
+  key = json.dumps(source, sort_keys=True)
+  if key not in models:
+    models[key] = load_model(ml_collections.ConfigDict(source))
+  model = models[key]
+  if model.model_id != request["attacker_sha256"]:
+    raise ValueError(f"process {dist.process_index()}: attacker weights at {source} hash to "
+                     f"{model.model_id[:12]}..., process 0's to "
+                     f"{request['attacker_sha256'][:12]}...")
+  calibration = np.load(io.BytesIO(base64.b64decode(request["calibration_npy"])),
+                        allow_pickle=False)
+  attacker = Attacker(model.params, model.cfg, model.model_id, calibration,
+                      request["knowledge"], source)
+  plan = prepare(request["capture_dir"], attacker, request["attacks"], request["budget"],
+                 request["seed"], request["calibration_defense"])
+  if plan.capture.manifest_sha256 != request["capture_sha256"]:
+    raise ValueError(f"process {dist.process_index()}: capture {request['capture_dir']} differs "
+                     "from process 0's (manifest hash)")
+  ws = plan.workspace(int(request["memory_budget_bytes"]), document_mesh())
+  for spec in plan.specs:
+    execute(ws, spec, plan.values, plan.seed)

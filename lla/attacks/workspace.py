@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
 from typing import Any, Callable
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lla import dist
 from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
 from lla.attacks import ridge
@@ -38,6 +40,7 @@ from lla.model.gpt2 import GPT2Config
 # (jitted function, argument tree, argument signatures) ->
 #     (executable, its dynamic keyword names, FLOPs per call or None).
 _EXECUTABLES: dict = {}
+STATUS_ERROR_CHARS = 2000  # of an error message passed between processes
 
 
 def _flops_of(executable) -> float | None:
@@ -125,9 +128,22 @@ class Charge:
 
 
 def document_mesh() -> Mesh | None:
-  """A 1-D mesh over every device (axis `docs`), or None on a single device."""
-  devices = jax.devices()
+  """A 1-D mesh over every device of the job (axis `docs`), process by process; None on a
+  single device. In a job across processes (lla.dist) it spans every process's devices."""
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   return Mesh(np.array(devices), ("docs",)) if len(devices) > 1 else None
+
+
+def spans_processes(mesh: Mesh | None) -> bool:
+  return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def local_mesh(mesh: Mesh | None) -> Mesh | None:
+  """The part of `mesh` on this process's devices (None if that is a single device)."""
+  if mesh is None:
+    return None
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  return Mesh(np.array(mine), ("docs",)) if len(mine) > 1 else None
 
 
 def chunk_plan(num_docs: int, chunk: int, mesh: Mesh | None) -> tuple[int, int]:
@@ -138,21 +154,35 @@ def chunk_plan(num_docs: int, chunk: int, mesh: Mesh | None) -> tuple[int, int]:
   return chunk, int(math.ceil(num_docs / chunk))
 
 
+def _local_rows(mesh: Mesh, size: int) -> slice:
+  """The rows of a [size, ...] chunk that the `docs` sharding over `mesh` puts on this
+  process's devices (contiguous, since the mesh lists devices process by process)."""
+  rows = NamedSharding(mesh, PartitionSpec("docs")).addressable_devices_indices_map((size,))
+  starts = sorted(index[0].start or 0 for index in rows.values())
+  step = size // mesh.devices.size
+  return slice(starts[0], starts[-1] + step)
+
+
 def iterate_chunks(arrays: tuple, chunk: int, mesh: Mesh | None):
   """Yields (real size, padded chunk arrays) of arrays (all [B, ...]) along documents.
 
   Every chunk is padded (by repeating its last document) to the same size, so it compiles
   once, and with a mesh is placed with a `docs`-sharded NamedSharding so that jit
-  partitions the batch.
+  partitions the batch. With a mesh across processes, each process gets only the rows
+  that the `docs` sharding assigns to its own devices (placed over them), and
+  `Workspace.map_documents` gathers the results.
   """
   size, count = chunk_plan(arrays[0].shape[0], chunk, mesh)
+  rows = _local_rows(mesh, size) if spans_processes(mesh) else slice(None)
+  place = local_mesh(mesh) if spans_processes(mesh) else mesh
   for i in range(count):
     piece = [np.asarray(a[i * size:(i + 1) * size]) for a in arrays]
     real = piece[0].shape[0]
     if real < size:
       piece = [np.concatenate([p, np.repeat(p[-1:], size - real, axis=0)]) for p in piece]
-    if mesh is not None:
-      piece = [jax.device_put(p, NamedSharding(mesh, PartitionSpec("docs"))) for p in piece]
+    piece = [p[rows] for p in piece]
+    if place is not None:
+      piece = [jax.device_put(p, NamedSharding(place, PartitionSpec("docs"))) for p in piece]
     yield real, piece
 
 
@@ -200,6 +230,8 @@ class Workspace:
   _scopes: list = dataclasses.field(default_factory=lambda: [Tally()])
   _used: set = dataclasses.field(default_factory=set)
   _attack: str = ""
+  _in_chunk: bool = False        # inside a chunk spread across processes: stay local
+  _spread_calls: int = 0         # chunks spread so far (the same count on every process)
 
   def __post_init__(self):
     if self.batch_docs is None:
@@ -248,13 +280,50 @@ class Workspace:
 
     `per_chunk` runs its computations with `call`; outputs (a pytree of [chunk, ...]
     arrays) are cut to the real documents and concatenated. Outputs are identical for any
-    chunking because every function passed here treats documents independently.
+    chunking because every function passed here treats documents independently. With a
+    mesh across processes every process computes its rows of each chunk (`_spread`).
     """
+    spanning = spans_processes(self.mesh)
+    spread = spanning and not self._in_chunk
+    # Inside a spread chunk (a stage computed there), work stays on this process.
+    mesh = local_mesh(self.mesh) if spanning and not spread else self.mesh
     outputs = []
-    for real, piece in iterate_chunks(arrays, self.chunk_for(bytes_per_doc), self.mesh):
-      result = per_chunk(*piece)
+    for real, piece in iterate_chunks(arrays, self.chunk_for(bytes_per_doc), mesh):
+      result = self._spread(per_chunk, piece) if spread else per_chunk(*piece)
       outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[:real], result))
     return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+  def _spread(self, per_chunk: Callable, piece: list):
+    """One chunk across processes: this process's rows, then every process's results.
+
+    per_chunk runs on local arrays only (attacks may read values on the host), so the
+    processes exchange nothing until the chunk is done: then a status (error, and the
+    FLOPs of the work each did in the current scope, which add up to the chunk's) and the
+    results. A failure on any process is raised on every process, so that all of them
+    leave the attack together and stay in step.
+    """
+    scope = self._scopes[-1]
+    flops = scope.xla_flops
+    self._in_chunk, self._spread_calls = True, self._spread_calls + 1
+    try:
+      result, error = jax.tree_util.tree_map(np.asarray, per_chunk(*piece)), None
+    except Exception as e:  # Raised again below, on every process.
+      result, error = None, e
+    finally:
+      self._in_chunk = False
+    statuses = dist.agree({
+        "call": [self._attack, self._spread_calls], "flops": scope.xla_flops - flops,
+        "missing": scope.missing_xla, "error_type": type(error).__name__,
+        "error": None if error is None else str(error)[:STATUS_ERROR_CHARS]})
+    if len({json.dumps(s["call"]) for s in statuses}) != 1:
+      raise dist.DivergedError(
+          f"processes reached different chunks: {[s['call'] for s in statuses]}")
+    failed = [s for s in statuses if s["error"] is not None]
+    if failed:
+      raise error if error is not None else dist.remote_error(failed[0])
+    scope.xla_flops = flops + sum(s["flops"] for s in statuses)
+    scope.missing_xla = any(s["missing"] for s in statuses)
+    return dist.gather_documents(result)
 
   def map_call(self, jitted, arrays: tuple, bytes_per_doc: float, consts: tuple = (),
                **static):

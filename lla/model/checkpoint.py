@@ -95,6 +95,15 @@ def config_to_json(cfg: GPT2Config) -> dict:
   return dataclasses.asdict(cfg)
 
 
+def _checkpointer() -> ocp.StandardCheckpointer:
+  """An orbax checkpointer for this process alone. In a job across processes (lla.dist)
+  only process 0 saves, and each process restores what it needs on its own; orbax's
+  default would wait for every process of the job at its barriers."""
+  me = jax.process_index()
+  return ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+      primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"lla-process-{me}"))
+
+
 def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict | None = None,
          export_hf: bool = True) -> Checkpoint:
   """Writes a checkpoint atomically to `directory` (which must not exist yet).
@@ -117,7 +126,7 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
   partial.mkdir()
   params = jax.device_get(params)
   full_metadata = {**(metadata or {}), "format": FORMAT, "params_sha256": params_sha256(params)}
-  with ocp.StandardCheckpointer() as checkpointer:
+  with _checkpointer() as checkpointer:
     checkpointer.save(partial / PARAMS_DIR, params)
   (partial / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2, sort_keys=True) + "\n")
   if export_hf:
@@ -144,7 +153,7 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
     raise CheckpointError(f"{directory}: format {metadata.get('format')!r}, expected {FORMAT!r}")
   target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   try:
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _checkpointer() as checkpointer:
       params = checkpointer.restore(directory / PARAMS_DIR, target)
   except Exception as e:  # Orbax raises many types for damaged files; all mean "unusable".
     raise CheckpointError(f"{directory}: params unreadable ({type(e).__name__}: {e})") from None

@@ -1,0 +1,209 @@
+"""A sweep worker: runs cells and returns their predictions and records, writing no result.
+
+One `Worker` lives in each process that runs cells (the driver for the local backend, each
+Ray actor, each submitit job). It keeps what cells share: loaded models, corpus splits,
+captures, and one Workspace per group (lla.sweep.cells), so that a group's shared stages
+are computed once; the attack runtime keeps every compiled executable of the process warm
+across cells. The only files a worker writes are captures: content-addressed directories
+under WORKDIR/captures, made once (a concurrent writer of the same capture loses the race
+and reuses the winner's, which has the same bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pathlib
+import socket
+import time
+
+import ml_collections
+import numpy as np
+
+from lla import data as data_lib
+from lla import defenses
+from lla.attacks import registry, replay
+from lla.attacks.workspace import document_mesh
+from lla.capture import capture as capture_lib
+from lla.capture import store
+from lla.evidence import files, rundir
+from lla.model.loading import load_model
+
+CAPTURES = "captures"
+STUDY = "study"
+MODEL_SOURCES = ("hf_dir", "checkpoint", "hub")
+
+
+@dataclasses.dataclass
+class CellResult:
+  """What a worker returns for one cell (picklable; the driver writes it).
+
+  Attributes:
+    e: the cell's protocol tuple E; e_hash its hash.
+    pinned: what regenerating its predictions needs besides the capture (the attacker's
+      weight source and hash, the calibration defense); calibration: [N, T] int32 tokens.
+    attacks: per attack {"name", "file" (its file stem), "record" (AttackRecord JSON),
+      "predictions" ([B, T] int32, or None when it crashed)}.
+    worker: where it ran (host, pid, and the Ray node when there is one).
+  """
+
+  cell_id: str
+  config: dict
+  e: dict
+  e_hash: str
+  pinned: dict
+  calibration: np.ndarray
+  attacks: list
+  worker: dict
+  wall_s: float
+
+
+def npy_bytes(tokens: np.ndarray) -> bytes:
+  """The exact bytes rundir.save_predictions writes for [B, T] predictions."""
+  buffer = io.BytesIO()
+  np.save(buffer, np.asarray(tokens).astype(np.int32), allow_pickle=False)
+  return buffer.getvalue()
+
+
+def model_source(model: dict) -> dict:
+  return {k: model[k] for k in MODEL_SOURCES if model.get(k)}
+
+
+class Worker:
+  """Runs cells for a sweep whose results go to WORKDIR/study (see the module doc)."""
+
+  def __init__(self, workdir: str, max_workspaces: int = 4):
+    self.workdir = pathlib.Path(workdir)
+    self.study = str(self.workdir / STUDY)
+    self._models: dict = {}
+    self._data: dict = {}
+    self._workspaces: collections.OrderedDict = collections.OrderedDict()
+    self._max_workspaces = max_workspaces
+
+  def run(self, cell) -> CellResult:
+    """Runs every attack of `cell` (a lla.sweep.cells.Cell); returns its results."""
+    start = time.perf_counter()
+    c = cell.config
+    registry.load_plugins(c["plugins"])
+    target = self._model(c["target"])
+    tokens, ids, calibration, corpus, split_hashes = self._splits(c["data"])
+    capture_dir = self._capture(c, target, tokens, ids, corpus, split_hashes)
+    public = c["knowledge"] == "public"
+    attacker_config = c["target"] if public else c["pretrained"]
+    model = target if public else self._model(attacker_config)
+    attacker = replay.Attacker(model.params, model.cfg, model.model_id, calibration,
+                               c["knowledge"], model_source(attacker_config))
+    plan = replay.prepare(capture_dir, attacker, c["attacks"], c["budget"], int(c["seed"]))
+    ws = self._workspace(cell.group, plan, int(c["memory_budget_mb"]) << 20)
+    e_hash = rundir.e_hash(plan.e)
+    common = {**plan.record_fields(self.study, e_hash, int(c["model_seed"])), "reference": None}
+    attacks = []
+    for spec in plan.specs:
+      result, predictions, charge, error = replay.execute(ws, spec, plan.values, plan.seed)
+      run_id = f"{cell.cell_id}/{spec.name}"
+      name = replay.file_name(run_id)
+      sha = None if error is not None else files.sha256_bytes(npy_bytes(predictions))
+      record = replay.make_record(
+          spec, ws, plan.values, run_id, result, charge, error,
+          None if error is not None else f"{rundir.PREDICTIONS}/{name}.npy", sha, common)
+      attacks.append({"name": spec.name, "file": name, "record": json.loads(record.to_json()),
+                      "predictions": predictions})
+    pinned = {"attacker_source": attacker.source, "attacker_params_sha256": attacker.model_id,
+              "calibration_defense": None}
+    return CellResult(cell.cell_id, c, plan.e, e_hash, pinned, plan.attacker.calibration_tokens,
+                      attacks, {"host": socket.gethostname(), "pid": os.getpid()},
+                      time.perf_counter() - start)
+
+  def _model(self, model: dict):
+    key = json.dumps(model_source(model), sort_keys=True)
+    if key not in self._models:
+      self._models[key] = load_model(ml_collections.ConfigDict(model))
+    return self._models[key]
+
+  def _splits(self, data: dict):
+    """(evaluation tokens [B, T], document ids, calibration tokens [N, T], corpus name,
+    split hashes) from .npy files or from lla.data."""
+    key = json.dumps(data, sort_keys=True)
+    if key not in self._data:
+      if data["tokens_npy"]:
+        tokens = files.load_token_matrix(data["tokens_npy"], "evaluation tokens")
+        if not data["calibration_npy"]:
+          raise ValueError("data.tokens_npy needs data.calibration_npy (the attacker's "
+                           "calibration documents)")
+        calibration = files.load_token_matrix(data["calibration_npy"], "calibration tokens")
+        hashes = {"evaluation": files.sha256_bytes(np.ascontiguousarray(tokens).tobytes()),
+                  "calibration": files.sha256_bytes(np.ascontiguousarray(calibration).tobytes())}
+        self._data[key] = (tokens.astype(np.int32), list(range(tokens.shape[0])),
+                           calibration.astype(np.int32), "custom", hashes)
+      else:
+        kwargs = {k: v for k, v in data.items() if k not in ("tokens_npy", "calibration_npy")}
+        splits = data_lib.load_splits(**kwargs)
+        self._data[key] = (splits.evaluation.tokens, list(splits.evaluation.document_ids),
+                           splits.calibration.tokens, splits.corpus,
+                           {n: p.sha256 for n, p in splits.items()})
+    return self._data[key]
+
+  def _capture(self, c: dict, target, tokens, ids, corpus: str, split_hashes: dict) -> str:
+    """The cell's capture directory, made once (race-safe) and verified."""
+    identity = {"target": model_source(c["target"]), "model_id": target.model_id,
+                "cut": c["cut"], "defense": c["defense"], "batch": c["capture_batch_size"],
+                "model_seed": c["model_seed"], "corpus": corpus, "split_hashes": split_hashes,
+                "tokens": files.sha256_bytes(np.ascontiguousarray(tokens).tobytes())}
+    key = hashlib.sha256(files.canonical_json(identity)).hexdigest()[:16]
+    directory = self.workdir / CAPTURES / f"k{c['cut']}_{c['defense']['name']}_{key}"
+    if directory.exists():
+      return _verified(directory, target.model_id)
+    name, cut, batch = c["defense"]["name"], int(c["cut"]), int(c["capture_batch_size"])
+    kwargs = {}
+    if name != "none":
+      kwargs = _defended(target, tokens, cut, c["defense"], int(c["model_seed"]), batch)
+    try:
+      capture_lib.capture_target(str(directory), target.params, target.cfg, tokens, ids, cut,
+                                 model_id=target.model_id, corpus=corpus,
+                                 split_hashes=split_hashes, training=True, batch_size=batch,
+                                 **kwargs)
+    except OSError:  # Another worker wrote it first (FileExistsError, or a failed rename).
+      if not directory.exists():
+        raise
+    return _verified(directory, target.model_id)
+
+  def _workspace(self, group: str, plan, memory_budget_bytes: int):
+    """The group's Workspace (its stages computed once), least recently used dropped."""
+    key = (group, plan.capture.manifest_sha256, plan.attacker.model_id)
+    if key in self._workspaces:
+      self._workspaces.move_to_end(key)
+      return self._workspaces[key]
+    ws = plan.workspace(memory_budget_bytes, document_mesh())
+    self._workspaces[key] = ws
+    while len(self._workspaces) > self._max_workspaces:
+      self._workspaces.popitem(last=False)
+    return ws
+
+
+def _verified(directory: pathlib.Path, model_id: str) -> str:
+  capture = store.load_capture(directory)
+  captured = capture.metadata["protocol"]["T"]["model_id"]
+  if captured != model_id:
+    raise ValueError(f"{directory}: captured from model {captured[:12]}..., the cell's target "
+                     f"is {model_id[:12]}... (its weights changed): use a new --workdir")
+  return str(directory)
+
+
+def _defended(target, tokens, cut: int, defense: dict, model_seed: int, batch: int) -> dict:
+  """capture_target's arguments for a capture through `defense` (a fixed target)."""
+  from lla.study import defense_sweep  # pylint: disable=g-import-not-at-top
+  name, param, strength = defense["name"], defense["param"], defense["strength"]
+  secret = {"secret_seed": defense_sweep.secret_seed(name, strength, model_seed)} if any(
+      f.name == "secret_seed" for f in dataclasses.fields(defenses.get(name))) else {}
+  mechanism = defenses.make(name, **{param: strength}, **secret)
+  record = mechanism.to_record()
+  return dict(messages=defense_sweep.defended_messages(target.params, target.cfg, tokens, cut,
+                                                       mechanism, batch),
+              defense=name, defense_seed_sha256=record.get("secret_seed_sha256", ""),
+              defense_params={**record["params"], "strength": record["strength"],
+                              "label": f"{name}_{param}{strength}",
+                              "fine_tuned_with_defense": False})
