@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import vocab_topk
 from lla.attacks import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
@@ -235,9 +236,8 @@ def policy_step(params, cache, visited, record, e, idx, t, target, snap, step_si
 
 def _nearest_unvisited(wte, visited, e, num):
   """The `num` nearest unvisited rows of wte [V, d] to e [d]: (ids [num], valid [num])."""
-  dist = jnp.where(visited, jnp.inf, jnp.sum(wte**2, axis=-1) - 2.0 * (wte @ e))  # + ||e||^2
-  neg_dist, ids = jax.lax.top_k(-dist, num)
-  return ids.astype(jnp.int32), jnp.isfinite(neg_dist)
+  neg_dist, ids = vocab_topk.topk(e, wte, num, "neg_sq_dist", mask=visited)
+  return ids, jnp.isfinite(neg_dist)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num"))
