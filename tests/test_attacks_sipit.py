@@ -91,7 +91,8 @@ def test_sipit_equals_brute_force(case, brute, budget):
   elif budget:
     assert details["resolved_by_stage"]["refine"] == B * T - 1
   # Every stage it used is charged; the XLA count agrees with the analytic one.
-  expected = {"ridge"} | ({"gradient_ranking", "activation_candidates"} if not budget else set())
+  expected = {"calibration_activations", "ridge"} | (
+      {"gradient_ranking", "activation_candidates"} if not budget else set())
   assert set(charge.stages) == expected
   assert charge.flops_source == "xla"
   assert 0.5 < charge.flops / charge.flops_analytic < 2.0
@@ -141,6 +142,26 @@ def test_sipit_trained_knowledge_falls_back_to_nearest(case):
                                                                 / (B * T))
   np.testing.assert_array_equal(result.predictions, numpy_greedy(perturbed, h))
   assert np.mean(result.predictions == truth) >= 0.9  # small perturbation: still close
+
+
+def test_sipit_inexact_documents_skip_the_later_brute_force(case):
+  """With sipit_brute_force_inexact off, position 0's exhaustive miss marks a document
+  inexact: position 0 is still the vocabulary's nearest, later positions never brute force."""
+  params, truth, _, h, _ = case
+  rng = np.random.default_rng(1)
+  perturbed = jax.tree_util.tree_map(
+      lambda x: x + 1e-3 * rng.standard_normal(x.shape).astype(np.float32), params)
+  budget = dict(params=perturbed, sipit_refine_iters=2, sipit_max_iters=2, sipit_brute_chunk=16)
+  full, _ = run(case, **budget)
+  cheap, _ = run(case, sipit_brute_force_inexact=False, **budget)
+  assert cheap.details["inexact_documents"] == B
+  assert "skipped the brute force" in cheap.details["fallback"]
+  np.testing.assert_array_equal(cheap.predictions[:, 0], numpy_greedy(perturbed, h)[:, 0])
+  # Only position 0 is scanned: at most the vocabulary once per document.
+  brute = cheap.details["mean_verified_per_position_by_stage"]["brute_force"] * B * T
+  assert 0 < brute <= CFG.vocab_size * B
+  assert cheap.details["mean_verified_per_position"] < full.details["mean_verified_per_position"]
+  assert full.details["inexact_documents"] == B and "skipped" not in full.details["fallback"]
 
 
 def test_sipit_deterministic_and_chunking_invariant(case):

@@ -121,11 +121,18 @@ budget_lib.declare(
     doc="SipIt: scan the rest of the vocabulary when nothing was accepted (the published "
     "termination guarantee); False takes the nearest candidate verified",
     source="official code (the policy runs up to V iterations)")
+budget_lib.declare(
+    "sipit_brute_force_inexact", True, bool,
+    doc="SipIt: keep the brute force at the later positions of a document whose position 0 "
+    "no token reproduces (inexact messages: trained knowledge or a defense), for the "
+    "vocabulary's nearest token; False takes the nearest candidate verified there, far "
+    "cheaper and weaker", source="lla")
 
 BUDGET_FIELDS = ("sipit_gradient_candidates", "sipit_ridge_candidates", "sipit_refine_iters",
                  "sipit_batch", "sipit_max_iters", "sipit_step_size", "sipit_grad_clip",
                  "sipit_reset_every", "sipit_tolerance_factor", "sipit_calibration_docs",
-                 "sipit_brute_chunk", "sipit_brute_force", "ridge_alpha")
+                 "sipit_brute_chunk", "sipit_brute_force", "sipit_brute_force_inexact",
+                 "ridge_alpha")
 
 
 # --- compiled steps (one position, documents `idx` of a chunk of N) -----------------------
@@ -315,6 +322,7 @@ class Settings:
   calibration_docs: int
   brute_chunk: int
   brute_force: bool
+  brute_force_inexact: bool
 
   @classmethod
   def from_budget(cls, budget) -> "Settings":
@@ -323,7 +331,7 @@ class Settings:
                float(budget.sipit_step_size), float(budget.sipit_grad_clip),
                int(budget.sipit_reset_every), float(budget.sipit_tolerance_factor),
                int(budget.sipit_calibration_docs), int(budget.sipit_brute_chunk),
-               bool(budget.sipit_brute_force))
+               bool(budget.sipit_brute_force), bool(budget.sipit_brute_force_inexact))
 
 
 class Meter:
@@ -467,6 +475,7 @@ class ChunkSearch:
   """SipIt over one chunk of documents (all arrays [n, ...]) at `positions`.
 
   `search` [n] bool marks the documents to search (the others keep an empty record);
+  `brute` [n] bool the documents whose open positions end in the brute force;
   `prefix_kv` [n, k, 2, H, D], the keys/values of position 0, is given when the positions
   start at 1 (position 0 is searched in a pass of its own).
   """
@@ -481,12 +490,12 @@ class ChunkSearch:
     # d JVPs (a forward each, twice over) and the [V, d] x [d, d] prediction.
     self.linearise_flops = (2 * d + 1) * self.step_flops + 2.0 * vocab * d * d
 
-  def __call__(self, h, proposals, counts, e_hat, doc_index, search, prefix_kv=None):
+  def __call__(self, h, proposals, counts, e_hat, doc_index, search, brute, prefix_kv=None):
     cfg, k = self.ws.cfg, self.ws.cut
     n, seq_len = h.shape[:2]
     h, e_hat = jnp.asarray(h), jnp.asarray(e_hat)
     proposals, counts, doc_index = np.asarray(proposals), np.asarray(counts), np.asarray(doc_index)
-    self.n, self.search = n, np.asarray(search)
+    self.n, self.search, self.brute = n, np.asarray(search), np.asarray(brute)
     cache = jnp.zeros((n, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
     if prefix_kv is not None:
       cache = self.meter("commit", 0.0, commit, cache, {"kv": jnp.asarray(prefix_kv)},
@@ -604,7 +613,7 @@ class ChunkSearch:
     # 4. Brute force: every token not yet verified, ranked by the linearised client.
     if s.brute_force:
       lists = {}
-      for doc in open_docs(seen < vocab):
+      for doc in open_docs((seen < vocab) & self.brute):
         order = np.asarray(self.meter(
             "brute_force", self.linearise_flops, linearised_order, ws.params, cache, visited,
             e, jnp.asarray([doc], jnp.int32), tt, target, cfg=ws.cfg))
@@ -637,7 +646,12 @@ def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter:
 
   Position 0 depends on its token alone, so it is searched once per distinct h_0 (in a
   pass of its own, so that the sharing does not depend on the chunking); its result is
-  the prefix of every document with that h_0.
+  the prefix of every document with that h_0. A document whose position 0 no token
+  reproduces after the brute force has tried the whole vocabulary has messages that the
+  attacker's client cannot produce exactly (inexact weights, or a defense that altered h);
+  without `brute_force_inexact` its later positions take the nearest candidate that the
+  proposals, refinement and policy verified, skipping a brute force that could not end in
+  an acceptance either.
   """
   h, doc_index = ws.activations, ws.doc_index
   per_doc = bytes_per_doc(ws, settings, proposals.shape[-1])
@@ -645,20 +659,24 @@ def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter:
   _, first, group = np.unique(rows.reshape(-1), return_index=True, return_inverse=True)
   source = first[group.reshape(-1)]        # each document's first document with its h_0
   shared = source != np.arange(ws.num_docs)
+  everyone = np.ones(ws.num_docs, bool)
   head = ws.map_documents(ChunkSearch(ws, settings, tolerance, meter, (0,), inverse),
-                          (h, proposals, counts, e_hat, doc_index, ~shared), per_doc)
+                          (h, proposals, counts, e_hat, doc_index, ~shared, everyone), per_doc)
   out = {key: value[source] for key, value in head.items() if key != "kv"}
   out["verified"][shared] = 0
   out["iterations"][shared] = 0
   fallback = RESOLUTIONS.index("fallback")
+  inexact = (out["resolved"][:, 0] == fallback) & settings.brute_force
+  brute = ~inexact | settings.brute_force_inexact
   out["resolved"][shared] = np.where(out["resolved"][shared] == fallback, fallback,
                                      RESOLUTIONS.index("shared_position0"))
   if ws.seq_len > 1:
     tail = ws.map_documents(
         ChunkSearch(ws, settings, tolerance, meter, range(1, ws.seq_len), inverse),
-        (h, proposals, counts, e_hat, doc_index, np.ones(ws.num_docs, bool),
-         head["kv"][source]), per_doc)
+        (h, proposals, counts, e_hat, doc_index, everyone, brute, head["kv"][source]),
+        per_doc)
     out = {key: np.concatenate([out[key], tail[key]], axis=1) for key in out}
+  out["inexact_documents"] = inexact
   return out
 
 
@@ -728,12 +746,16 @@ def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> d
   own = {stage: meter.xla[stage] for stage in ("calibration", "decode") + STAGES + ("commit",)}
   stages = {name: ws.costs[name].flops for name in sorted(set(shared))}
   fallbacks = resolved["fallback"]
+  inexact = int(out["inexact_documents"].sum())
   note = ""
   if fallbacks:
     note = (f"no candidate within the tolerance at {fallbacks} of {positions} positions: each "
             "took the nearest candidate verified (inexact weights, e.g. trained knowledge, or "
             + ("a budget that stopped the search" if not settings.brute_force
                else "a message that no token reproduces") + ")")
+  if inexact and not settings.brute_force_inexact:
+    note += (f"; {inexact} of {ws.num_docs} documents: no token reproduces position 0 (the "
+             "whole vocabulary tried), so their later positions skipped the brute force")
   return {
       "tolerance": tolerance,
       "calibration_discrepancy": calibration.discrepancy,
@@ -744,6 +766,7 @@ def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> d
       "exact": bool(accepted.all()),
       "fallback_positions": fallbacks,
       "fallback": note,
+      "inexact_documents": inexact,
       "resolved_by_stage": resolved,
       "mean_verified_per_position": float(verified.sum() / positions),
       "mean_verified_per_position_by_stage": {
