@@ -14,7 +14,7 @@ Variants (`:ARG`):
 
 import ml_collections
 
-from configs import active, decoy_leak, finetune, models, pretrain, scoring
+from configs import active, decoy_leak, finetune, models, pretrain, scoring, sweep
 from lla import data
 from lla.attacks import budget
 
@@ -111,7 +111,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
   # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
   config.defense_cut = 2 if tiny else 6
-  config.defense_docs = 8 if tiny else (256 if paper else 48)  # Documents per defended capture.
+  config.defense_docs = 256 if paper else 48  # Documents per defended capture (tiny: see n_eval).
   # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
   # adaptive attacks on their mechanisms, defense-aware baselines, both channels), except
   # these; a skipped fitting attack is unmeasured, so its defense cannot PASS. `cpu` skips
@@ -142,6 +142,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # workdir/active; `paper` runs it at the `full` variant.
   config.active = active.get_config("tiny" if tiny else ("full" if paper else "cpu"))
   config.active.enabled = True  # False skips the phase (its report section says so).
+  # FLOP-matched frontier (lla.sweep.frontier): every registered attack family at several
+  # budgets (configs/sweep.py FRONTIER_KNOBS) on the first fine-tuned model at the primary
+  # setting, a sweep of its own under workdir/frontier; the report draws it. The phase fills
+  # in the target's and the base's checkpoints.
+  config.frontier = ml_collections.ConfigDict()
+  config.frontier.enabled = True  # False skips the phase (its report section says so).
+  config.frontier.sweep = sweep.get_config("frontier" if paper else "frontier_cpu")
+  cell = config.frontier.sweep.cell
+  cell.target = models.get_config(model_name)
+  cell.pretrained = models.get_config(model_name)
+  cell.data.update(config.data.to_dict())
+  cell.data.n_eval = 256 if paper else (4 if tiny else 8)  # Documents per cell.
+  cell.cut = config.primary_cut
+  if tiny:  # The end-to-end test: three cheap families, ridge and beam search at 3 budgets.
+    config.frontier.sweep.grids = (
+        (("attacks", (("ridge",),)), ("data.n_calibration", (4, 8, 16))),
+        (("attacks", (("activation",),)), ("budget.candidates", (2, 4, 8))),
+        (("attacks", (("gradient_only",),)),))
+    config.frontier.sweep.frontier.untabled = ()
   # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
   # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
   config.memory_budget_mb = 1024 if not paper else 16384

@@ -8,6 +8,8 @@ Layout of `workdir`:
     study/                         the run directory of every attack record (lla.evidence)
     decoy/                         the decoy-row training split (lla.decoy): its captures and
                                    own table; its attacks' results are records of study/
+    active/                        the active-server tier (lla.active), its own study
+    frontier/                      the FLOP-matched frontier sweep (lla.sweep), its own study
     report/                        report.md and its figures
 
 Every phase reuses finished artifacts: checkpoints and captures are verified by hash, and
@@ -44,6 +46,7 @@ from lla.train import pretrain as pretrain_lib
 from lla.model.checkpoint import params_sha256
 
 STUDY, CAPTURES, DECOY, ACTIVE, TIMING = "study", "captures", "decoy", "active", "timing.json"
+FRONTIER = "frontier"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +194,25 @@ def active_server(config, workdir: pathlib.Path, base_source: dict) -> None:
   active_run.run(active, str(workdir / ACTIVE))
 
 
+def flop_frontier(config, workdir: pathlib.Path, targets: list[Target],
+                  base_source: dict) -> None:
+  """The FLOP-matched frontier (lla.sweep.frontier): `config.frontier.sweep`'s cells on the
+  first fine-tuned model at the primary setting, with the base as the trained-knowledge
+  attacker, in a sweep study of its own (resumable like the rest)."""
+  if not config.frontier.enabled:
+    return
+  from lla.sweep import driver  # pylint: disable=g-import-not-at-top
+  target = next(t for t in targets if t.cut == int(config.primary_cut)
+                and t.knowledge == "public")
+  sweep = ml_collections.ConfigDict(config.frontier.sweep.to_dict())
+  for model, source in ((sweep.cell.target, target.attacker_source),
+                        (sweep.cell.pretrained, base_source)):
+    for field in ("hf_dir", "checkpoint", "hub"):
+      model[field] = source.get(field, "")
+  sweep.cell.model_seed = target.model_seed
+  driver.run(sweep, str(workdir / FRONTIER))
+
+
 def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
   """Ridge inversion alone on each corpus, k = corpus_study.cut, the base model."""
   params, cfg, provenance = base
@@ -275,6 +297,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   attack_targets(config, study, targets, captures, splits.calibration.tokens)
   _phase(workdir, "published attacks")
   published_attacks(config, workdir, study, targets, splits, splits.calibration.tokens)
+  _phase(workdir, "FLOP-matched frontier")
+  flop_frontier(config, workdir, targets, base_source)
   _phase(workdir, "corpus study")
   corpus_study(config, workdir, study, base, base_source)
   _phase(workdir, "defenses")

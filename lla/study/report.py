@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lla.active import report as active_report  # noqa: E402
+from lla.sweep import frontier as flops_frontier  # noqa: E402
 from lla.scoring import scorecard  # noqa: E402
 from lla.study import seed_figures  # noqa: E402
 
@@ -276,6 +277,22 @@ def phase_table(invocations: list[dict]) -> list[str]:
   return lines
 
 
+def flop_frontier_section(config, workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
+  """The FLOP-matched frontier of the main job's sweep (lla.sweep.frontier), drawn into
+  out/flops_frontier."""
+  study = workdir / "frontier" / "study"
+  if not config.frontier.enabled or not study.exists():
+    return ["## Attacks at matched FLOPs", "",
+            "Not run (`config.frontier.enabled` is False)." if not config.frontier.enabled
+            else f"Not run: {study} does not exist."]
+  cells = config.frontier.sweep.cell
+  return [*flops_frontier.report(str(study), str(out / "flops_frontier"),
+                                 figure_link="flops_frontier/" + flops_frontier.FIGURE),
+          "", f"(Sweep of its own under `frontier/`: the first fine-tuned model at k = "
+          f"{cells.cut}, {cells.knowledge} knowledge, undefended, {cells.data.n_eval} documents "
+          "per cell.)"]
+
+
 def render(config, workdir) -> pathlib.Path:
   """Writes workdir/report/report.md (+ PNGs) from workdir/study/scorecard.json."""
   workdir = pathlib.Path(workdir)
@@ -320,6 +337,7 @@ def render(config, workdir) -> pathlib.Path:
       "measured, or a mechanism no registered attack adapts to, withholds PASS.", "",
       *defense_table(points), "",
       "![frontier](frontier.png) (data: frontier.json)", "",
+      *flop_frontier_section(config, workdir, out), "",
       "## Decoy-row training split (PROTOCOL section 7)", "",
       *decoy_section(workdir, out), "",
       "## Active server (a malicious server that crafts the returned gradients)", "",

@@ -147,9 +147,10 @@ def _knob_text(point: Point, varied: set[str]) -> str:
   return ", ".join(f"{k}={point.knobs[k]}" for k in sorted(varied) if k in point.knobs) or "—"
 
 
-def report(study: str, out_dir: str,
-           n_replicates: int = bootstrap.DEFAULT_REPLICATES) -> list[str]:
-  """Writes the figure, the table (JSON) and frontier.md to out_dir; returns the markdown."""
+def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLICATES,
+           figure_link: str = FIGURE) -> list[str]:
+  """Writes the figure, the table (JSON) and frontier.md to out_dir; returns the markdown,
+  whose image links to `figure_link` (the figure's path from where the markdown lands)."""
   all_points = points(study)
   if not all_points:
     raise ValueError(f"{study}: no measured run to draw")
@@ -188,4 +189,4 @@ def report(study: str, out_dir: str,
                  f"{row['diff_pp']:+.2f} [{row['lo_pp']:+.2f}, {row['hi_pp']:+.2f}] |")
   with open(os.path.join(out_dir, MARKDOWN), "w") as f:
     f.write("\n".join(lines) + "\n")
-  return lines
+  return [line.replace(f"]({FIGURE})", f"]({figure_link})") for line in lines]
