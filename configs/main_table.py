@@ -114,14 +114,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.defense_docs = 256 if paper else 48  # Documents per defended capture (tiny: see n_eval).
   # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
   # adaptive attacks on their mechanisms, defense-aware baselines, both channels), except
-  # these; a skipped fitting attack is unmeasured, so its defense cannot PASS. `cpu` skips
-  # the published attacks (they run once, in the published phase; each costs minutes per
-  # defended capture on two cores, over 36 captures) and two variants of the beam search
-  # (FLOP-matched activation, joint defense-aware), to stay near 45 minutes: its verdicts
-  # are FAIL or INSUFFICIENT_EVIDENCE, never PASS. `paper` and `tiny` run every one.
-  config.defense_skip_attacks = (tuple(config.published.attacks)
-                                 + ("activation_flop_matched", "joint_defense_aware")
-                                 if variant == "cpu" else ())
+  # these; a skipped fitting attack is unmeasured, so its defense cannot PASS. `cpu` and
+  # `tiny` skip the published attacks (they run once, in the published phase; each costs
+  # up to minutes per defended capture on two cores), `cpu` also two variants of the beam
+  # search (FLOP-matched activation, joint defense-aware), to stay near 45 minutes: their
+  # verdicts are FAIL or INSUFFICIENT_EVIDENCE, never PASS. `paper` runs every one.
+  config.defense_skip_attacks = () if paper else tuple(config.published.attacks) + (
+      () if tiny else ("activation_flop_matched", "joint_defense_aware"))
   config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
       ("gaussian", "sigma", (0.3,) if tiny else (0.3, 1.0, 3.0)),
       ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),
