@@ -113,7 +113,7 @@ budget_lib.declare(
     doc="SipIt: calibration documents the acceptance tolerance (and the refinement's "
     "contraction) is measured on", source="lla")
 budget_lib.declare(
-    "sipit_brute_chunk", 512, int, low=1, high=budget_lib.VOCAB,
+    "sipit_brute_chunk", 512, int, low=1,
     doc="SipIt: the most candidates per document in one brute-force call (chunks double "
     "from 16)", source="lla")
 budget_lib.declare(
