@@ -67,7 +67,8 @@ def test_predictions_regenerate_bit_for_bit(finished):
 # Measured (envelope pp, floor 0.81 pp): projection -3.9; gaussian 1.5, topk 2.6, quantize
 # 44, mixup 30, gradient_clip_noise 94, nopeek 96; decoy rows 40 (no mitigation), 0.3.
 TINY_DECISIONS = {
-    "projection_enabledTrue": "PASS",
+    # PASS before the adaptive attacks (PROTOCOL 5a): projection_adaptive recovers the text.
+    "projection_enabledTrue": "FAIL",
     "gaussian_sigma0.3": "FAIL", "topk_sparsity0.75": "FAIL", "quantize_bits2": "FAIL",
     "mixup_m2": "FAIL", "gradient_clip_noise_clip_norm0.01": "FAIL", "nopeek_alpha1.0": "FAIL",
     "decoy_rows/none": "INSUFFICIENT_EVIDENCE", "decoy_rows/mitigated": "INSUFFICIENT_EVIDENCE",
@@ -87,6 +88,10 @@ def test_tiny_gates_decide(finished):
       assert any("no positive control" in r for r in gate["reasons"]), gate["reasons"]
     else:
       assert gate["envelope"]["floor_pp"] < 1.0, gate["envelope"]
+      # tiny skips the published attacks on defended captures: named, so no PASS.
+      assert any(r.startswith("fitting attack(s) unmeasured: bisr") for r in gate["reasons"])
+  projection, = [g for g in card["gates"] if g["config"]["defense"] == "projection"]
+  assert projection["envelope"]["argmax"] == "projection_adaptive"
   # The policy's primary test is at k = 6; tiny has k = 2 only: not evaluated, and says why.
   (primary,) = card["contrasts"]["primary"]
   assert primary == {"evaluated": False, "reason": "no measured joint/activation records at "
