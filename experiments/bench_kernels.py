@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from kernels import vocab_topk
-from kernels import vocab_topk_reference as reference
+from kernels.compare import agreement, compare, inputs, timed
 
 _DEVICE = flags.DEFINE_enum("device", "auto", ["auto", "cpu", "gpu", "tpu"],
                             "Where to run: auto = JAX's default backend.")
@@ -46,49 +43,6 @@ _INTERPRET_ROWS = flags.DEFINE_integer(
     "interpret_rows", 1024, "CPU only: rows checked with the kernel in interpret mode (0: none).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
-
-
-def inputs(device, rows: int, d: int, vocab: int, seed: int):
-  """GPT-2-like scales: table ~ N(0, 0.02^2) (the wte initialisation), queries a table row
-  plus noise of the same size (a decoded embedding near its token)."""
-  rng = np.random.default_rng(seed)
-  table = (0.02 * rng.standard_normal((vocab, d))).astype(np.float32)
-  x = table[rng.integers(0, vocab, rows)] + (0.02 * rng.standard_normal((rows, d))).astype(
-      np.float32)
-  return jax.device_put(x, device), jax.device_put(table, device)
-
-
-def memory(compiled) -> dict:
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # Backends without a memory analysis raise assorted errors.
-    return {}
-  if stats is None:
-    return {}
-  return {name: int(getattr(stats, f"{name}_size_in_bytes"))
-          for name in ("temp", "output", "argument") if hasattr(stats, f"{name}_size_in_bytes")}
-
-
-def timed(fn, args, repeats: int, warm_up: bool = True) -> dict:
-  start = time.perf_counter()
-  compiled = fn.lower(*args).compile()
-  compile_s = time.perf_counter() - start
-  if warm_up:
-    jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return {"out": out, "compile_s": compile_s, "best_s": min(times),
-          "median_s": float(np.median(times)), "memory": memory(compiled)}
-
-
-def agreement(got, want) -> dict:
-  (gv, gi), (wv, wi) = [(np.asarray(v), np.asarray(i)) for v, i in (got, want)]
-  return {"positions_equal": float(np.mean(gi == wi)),
-          "rows_equal": float(np.mean(np.all(gi == wi, axis=-1))),
-          "max_abs_value_diff": float(np.max(np.abs(gv - wv)))}
 
 
 def main(argv):
@@ -110,12 +64,7 @@ def main(argv):
         f"{'temp GiB':>10s}{'positions':>11s}{'rows':>8s}{'max |dv|':>10s}")
   with jax.default_device(device):
     for kind in _KINDS.value:
-      xla = jax.jit(lambda x, table, kind=kind: vocab_topk.topk(
-          x, table, k, kind, impl="reference", precision=_PRECISION.value))
-      auto = jax.jit(lambda x, table, kind=kind: vocab_topk.topk(
-          x, table, k, kind, precision=_PRECISION.value))
-      runs = {"xla": timed(xla, (x, table), _REPEATS.value),
-              "topk": timed(auto, (x, table), _REPEATS.value)}
+      runs = compare(x, table, k, kind, _PRECISION.value, _REPEATS.value)
       if backend == "cpu" and _INTERPRET_ROWS.value > 0:
         n = min(_INTERPRET_ROWS.value, rows)
         interpret = jax.jit(lambda x, table, kind=kind: vocab_topk.topk(
@@ -123,8 +72,6 @@ def main(argv):
         run = timed(interpret, (x[:n], table), 1, warm_up=False)
         want = tuple(a[:n] for a in runs["xla"]["out"])
         runs[f"kernel_interpret[{n} rows]"] = {**run, "agreement": agreement(run["out"], want)}
-      for name in ("xla", "topk"):
-        runs[name]["agreement"] = agreement(runs[name]["out"], runs["xla"]["out"])
       for name, run in runs.items():
         a = run["agreement"]
         temp = run["memory"].get("temp")
