@@ -24,6 +24,7 @@ def get_config(arg=None):
   # Attack families (the `family` of registry entries and records).
   c.threat_space.families = ("ridge", "beam_inversion", "gradient_heuristic",
                              "gradient_matching", "embedding_inversion",
+                             "learned_inversion", "sequential_inversion",
                              "decoy_structural", "decoy_content")
   # Observation sets, '+'-joined and sorted, as a module declares them.
   c.threat_space.observations = ("activations", "gradients",
@@ -41,6 +42,10 @@ def get_config(arg=None):
        "reason": "ridge inversion reads activations only"},
       {"family": "gradient_heuristic", "observation": "activations",
        "reason": "the heuristic reads gradients only"},
+      {"family": "learned_inversion", "observation": "gradients",
+       "reason": "a learned inverter maps activations to tokens"},
+      {"family": "sequential_inversion", "observation": "gradients",
+       "reason": "sequential inversion verifies activations (g only proposes)"},
   ) + tuple(
       {"family": family, "defense": defense,
        "reason": "decoy-row attacks read the frames of the decoy-row split only"}

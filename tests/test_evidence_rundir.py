@@ -144,6 +144,15 @@ def test_reopen_extends_and_reseals(run):
              problems)
 
 
+def test_a_sealed_run_refuses_a_write_before_touching_the_file(run):
+  scorecard = run / rundir.SCORECARD_JSON
+  before = scorecard.read_bytes() if scorecard.exists() else None
+  with pytest.raises(ValueError, match="run is sealed; reopen it to add scorecard.json"):
+    rundir.save_file(str(run), rundir.SCORECARD_JSON, b"{}", "scorecard", overwrite=True)
+  assert (scorecard.read_bytes() if scorecard.exists() else None) == before
+  assert rundir.verify(str(run)) == []
+
+
 def test_reopen_refuses_a_run_that_fails_verification(run):
   (run / "notes.txt").write_text("extra\n")
   with pytest.raises(ValueError, match="refusing to extend a run that fails verification: "

@@ -121,6 +121,10 @@ def save_file(run_dir: str, rel: str, data: bytes, event_type: str, overwrite: b
   Returns the sha256. `rel` must stay inside the run directory.
   """
   rel = records_lib.inside("file", rel)
+  if os.path.exists(os.path.join(run_dir, LOG)) and log(run_dir).sealed:
+    # Refused before the file is touched: a sealed run's files stay what its manifest says.
+    raise ValueError(f"{run_dir}: run is sealed; reopen it to add {rel} "
+                     "(lla.evidence.rundir.extending)")
   path = os.path.join(run_dir, rel)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   files.atomic_write_bytes(path, data, overwrite=overwrite)
