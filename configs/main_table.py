@@ -156,6 +156,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cell.pretrained = models.get_config(model_name)
   cell.data.update(config.data.to_dict())
   cell.data.n_eval = 256 if paper else (4 if tiny else 8)  # Documents per cell.
+  cell.budget = ml_collections.ConfigDict(config.budget.to_dict())  # Each cell's attacks' part.
   cell.cut = config.primary_cut
   if tiny:  # The end-to-end test: three cheap families, ridge and beam search at 3 budgets.
     config.frontier.sweep.grids = (

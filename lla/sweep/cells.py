@@ -6,7 +6,9 @@ order, without repeats. A path names a field of the cell ("cut", "seed",
 "defense.strength", "budget.candidates", "attacks", "data.n_calibration"); budget paths
 may name any declared budget field (plugins' included).
 
-A cell's frozen config is canonical JSON in which the budget holds only the fields that
+The base cell's budget is shared (e.g. a job's whole budget): each cell keeps the fields
+its attacks read, and a grid axis on a field none of them reads is refused. A cell's
+frozen config is canonical JSON in which the budget holds only the fields that
 differ from their declared defaults, so that declaring a new field elsewhere leaves every
 cell id unchanged. Cells that differ only in their attacks and in budget fields that no
 shared stage reads (`STAGE_FREE_FIELDS`) form one group: one worker runs them in order on
@@ -121,10 +123,17 @@ def expand(config: ml_collections.ConfigDict) -> list[Cell]:
         raise SweepConfigError(f"grid axis {axis!r}: expected (path, (values, ...))")
       if not axis[1]:
         raise SweepConfigError(f"grid axis {axis[0]!r} has no values")
+    gridded = {path.split(".", 1)[1] for path, _ in grid if path.startswith("budget.")}
     for values in itertools.product(*(axis[1] for axis in grid)):
       config_dict = copy.deepcopy(base)
       for (path, _), value in zip(grid, values):
         _assign(config_dict, path, value)
+      # The base budget is shared by every cell (e.g. a job's whole budget): each cell keeps
+      # the fields its attacks read. A grid axis is never dropped, so `check` refuses one
+      # that none of the cell's attacks reads.
+      read = set(budget_lib.relevant(config_dict["budget"], freeze(config_dict)["attacks"]))
+      config_dict["budget"] = {k: v for k, v in config_dict["budget"].items()
+                               if k in read or k in gridded}
       frozen = freeze(config_dict)
       check(frozen)
       identity = cell_id(frozen)
