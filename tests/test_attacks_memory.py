@@ -4,7 +4,6 @@ compiled stages, and the estimate's chunks against the Workspace's chunking."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lla.attacks import beam, memory
 from lla.attacks import candidates as cand_lib

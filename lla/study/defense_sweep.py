@@ -33,7 +33,7 @@ from lla import defenses
 from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
-from lla.defenses import aware, training, utility
+from lla.defenses import training, utility
 from lla.evidence import files
 from lla.train import finetune as finetune_lib
 

@@ -314,7 +314,8 @@ def render(config, workdir) -> pathlib.Path:
       f"# lla main table ({config.variant})", "",
       f"**Unmeasured share of the declared threat space: {100 * card['unmeasured_share']:.1f}%** "
       "(coverage report below).", "",
-      f"Target: {config.model.name}, (k, knowledge) {[tuple(s) for s in config.settings]}, {config.finetune.num_models} "
+      f"Target: {config.model.name}, (k, knowledge) {[tuple(s) for s in config.settings]}, "
+      f"{config.finetune.num_models} "
       f"fine-tuned models, {config.data.n_eval} evaluation documents of T = {config.data.seq_len}. "
       f"Scorecard `{card['e_hash'][:16]}`; wall time "
       f"{'—' if wall is None else f'{wall / 60:.1f} min'} elapsed over {len(invocations)} "
@@ -328,7 +329,8 @@ def render(config, workdir) -> pathlib.Path:
       "figures come from other models and settings (see their setting); they are context, "
       "not targets.", "", *attack_table(card, int(config.primary_cut)), "",
       "## Pre-registered primary test and secondary contrasts", "", *contrasts(card), "",
-      "## Corpus study: ridge inversion alone", "", *corpus_table(card, int(config.corpus_study.cut)), "",
+      "## Corpus study: ridge inversion alone", "",
+      *corpus_table(card, int(config.corpus_study.cut)), "",
       "## Defense verdicts (scorecard-policy.v3) and utility cost", "",
       "Every registered attack that fits the defended capture (PROTOCOL section 5a: the "
       "generic attacks on both channels, the defense-aware baselines and the attacks adaptive "
