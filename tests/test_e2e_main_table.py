@@ -141,9 +141,17 @@ SYNTHETIC_DECISIONS = {"projection": "PASS", "gaussian": "FAIL",
 
 
 def _synthetic_specs():
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  from lla.scoring import gates  # pylint: disable=g-import-not-at-top
   from lla.scoring import synthetic as syn  # pylint: disable=g-import-not-at-top
+  # A PASS needs every registered attack that fits the defended capture measured (PROTOCOL
+  # section 5a): under the projection, each of them recovers nothing.
+  others = [(m["name"], m["family"]) for m in gates.fitting_modules(
+      registry.module_entries(), None, "public", "projection")
+            if m["name"] not in ("activation", "joint")]
   specs = []
   for m in range(3):
+    specs += [syn.Spec(name, family, 0, m, defense="projection") for name, family in others]
     specs += [syn.Spec("activation", "beam_inversion", 28, m, jitter=1),
               syn.Spec("joint", "beam_inversion", 31, m, jitter=1),
               syn.Spec("shuffled_gradients", "beam_inversion", 28, m, jitter=1),

@@ -44,8 +44,11 @@ def test_score_run_writes_reproducible_card(run):
                            ensure_ascii=False).encode() + b"\n"
   assert card["schema"] == "lla.scorecard.v1"
   assert b"T00:00:00" not in raw  # the synthetic run's log time never leaks
-  with pytest.raises(FileExistsError):
+  with pytest.raises(ValueError, match="run is sealed"):
     scorecard.score_run(run, cfg)
+  with open(os.path.join(run, "scorecard.json"), "rb") as f:
+    assert f.read() == raw  # refused before the card was touched
+  assert rundir.verify(run) == []
 
 
 def test_rows_match_direct_counts(run):
