@@ -99,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.published = ml_collections.ConfigDict()
   config.published.attacks = ("sipit", "sip", "sip_linear", "bisr_f", "eia", "tag", "lamp",
                               "bisr_b", "bisr")
-  config.published.docs = (256 if paper else (8 if tiny else 32))  # Documents attacked.
+  config.published.docs = (256 if paper else (8 if tiny else 24))  # Documents attacked.
   config.capture_batch_size = 32  # Documents per training batch at capture (g's loss).
   # Corpus study: ridge inversion alone on each corpus against its frequency baseline.
   config.corpus_study = ml_collections.ConfigDict()
@@ -109,7 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.corpus_study.cut = 2 if tiny else 6  # Inference captures of the base model.
   config.corpus_study.n_eval = 8 if tiny else 128  # Documents per corpus.
   # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
-  # on each fine-tuned model (the seeds of the gate); strength 0 is the reference.
+  # on each fine-tuned model (the seeds of the gate); strength 0 is the reference. `cpu`
+  # sweeps fewer strengths to fit 45 minutes: mixup m = 4 alone cost 6 of its minutes
+  # (mixup_adaptive's search grows with m), Gaussian sigma = 1.0 lies between two others.
   config.defense_cut = 2 if tiny else 6
   config.defense_docs = 256 if paper else 48  # Documents per defended capture (tiny: see n_eval).
   # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
@@ -122,10 +124,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.defense_skip_attacks = () if paper else tuple(config.published.attacks) + (
       () if tiny else ("activation_flop_matched", "joint_defense_aware"))
   config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
-      ("gaussian", "sigma", (0.3,) if tiny else (0.3, 1.0, 3.0)),
+      ("gaussian", "sigma", (0.3,) if tiny else ((0.3, 1.0, 3.0) if paper else (0.3, 3.0))),
       ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),
       ("quantize", "bits", (2,) if tiny else (4, 2)),
-      ("mixup", "m", (2,) if tiny else (2, 4)),
+      ("mixup", "m", (2, 4) if paper else (2,)),
       ("projection", "enabled", (True,)),
       ("gradient_clip_noise", "clip_norm", (0.01,)),
       ("nopeek", "alpha", (1.0,)),

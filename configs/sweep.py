@@ -51,12 +51,12 @@ FRONTIER_KNOBS = {
     },
     "embedding_inversion": {
         "bisr_f": {"budget.bisr_f_steps": {"cpu": (25, 100, 400), "paper": (200, 800, 3200)}},
-        "eia": {"budget.eia_steps": {"cpu": (25, 100, 400), "paper": (3000, 12000, 24000)}},
+        "eia": {"budget.eia_steps": {"cpu": (25, 50, 100), "paper": (3000, 12000, 24000)}},
     },
     "gradient_matching": {
-        "tag": {"budget.tag_steps": {"cpu": (25, 100, 400), "paper": (150, 600, 2400)}},
+        "tag": {"budget.tag_steps": {"cpu": (10, 30, 100), "paper": (150, 600, 2400)}},
         "bisr_b": {"budget.bisr_b_steps": {"cpu": (4, 16, 64), "paper": (8, 32, 128)}},
-        "lamp": {"budget.lamp_steps": {"cpu": (25, 100, 400), "paper": (200, 800, 3200)}},
+        "lamp": {"budget.lamp_steps": {"cpu": (10, 30, 100), "paper": (200, 800, 3200)}},
     },
 }
 PRIMARY = dict(cut=6, knowledge="public")  # The pre-registered primary setting.

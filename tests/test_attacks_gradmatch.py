@@ -4,7 +4,7 @@ V = 128, d = 32, 3 layers, cut k = 1, 6 documents of T = 8 tokens in two capture
 3 (so g is normalised by N = 3 * 7). Checks: the linearised g(Y) against jax.grad of the
 soft-label loss and, for one-hot labels of the true tokens, against the captured g; TAG
 and BiSR(b) lower their loss and beat the frequency baseline (BiSR(b) also its SIP init);
-the BiSR chain is BiSR(f) from BiSR(b)'s tokens; LAMP's moves against a numpy
+the BiSR chain is BiSR(f) from BiSR(b)'s tokens, reused from `bisr_b` on one workspace; LAMP's moves against a numpy
 port of SplitLLM's index arithmetic, and its discrete step never raises the scored
 objective; determinism and chunking invariance; a NaN crashes the record through replay
 while the other attacks' results stand.
@@ -122,6 +122,16 @@ def test_bisr_chain_runs_b_then_f(case):
   assert chain.details["bisr_b"]["matching_loss_final"] == backward.details["matching_loss_final"]
   assert np.mean(chain.predictions == truth) >= np.mean(backward.predictions == truth)
   assert charge.flops_source == "xla" and 0.5 < charge.flops / charge.flops_analytic < 2.0
+  # The chain reused bisr_b's stage: computed once, charged to both in full, and the same
+  # tokens and charge as the chain alone on a fresh workspace.
+  stages = [name for name in ws.costs if name.startswith("bisr_b[steps=60,")]
+  assert len(stages) == 1 and stages[0] in charge.stages
+  fresh = Workspace(ws.activations, ws.gradients, ws.params, ws.cfg, ws.cut,
+                    ws.calibration_tokens, batch_docs=ws.batch_docs)
+  alone, alone_charge = registry.execute("bisr", fresh, budget, jax.random.key(0))
+  np.testing.assert_array_equal(alone.predictions, chain.predictions)
+  assert alone_charge.flops == pytest.approx(charge.flops, rel=1e-6)
+  assert alone_charge.flops_analytic == pytest.approx(charge.flops_analytic, rel=1e-9)
 
 
 def _splitllm_perm(move: int, ints, t: int) -> np.ndarray:

@@ -104,11 +104,25 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
   quality = card["qualification"]
   assert quality["activation"]["reference_consistency"]["status"] == "pass"
   assert quality["activation"]["real_model"]["status"] == "pass"
-  # Refitting on the defended calibration beats the unaware attack except under mixup.
+  # Each defended configuration: "pass" iff refitting on the defended calibration is at
+  # least the unaware attack's excess, recomputed from the gate's pooled figures. Under
+  # Gaussian noise, top-k and projection both sit near the baseline (their order is
+  # floating-point noise across machines); quantisation helps and mixup hurts by margins
+  # of ~14 and ~9 pp.
   adaptation = quality["activation_defense_aware"]["adaptation"]
-  assert {e["detail"].split()[0]: e["status"] for e in adaptation["evidence"]} == {
-      "gaussian_sigma0.3": "pass", "mixup_m2": "partial", "projection_enabledTrue": "pass",
-      "quantize_bits2": "pass", "topk_sparsity0.75": "pass"}
+  gates_by_label = {g["config"]["defense_params"].get("label", g["config"]["defense"]): g
+                    for g in card["gates"]}
+  statuses = {}
+  for item in adaptation["evidence"]:
+    label = item["detail"].split()[0]
+    pooled = gates_by_label[label]["pooled"]
+    aware = pooled["activation_defense_aware"]["excess_pp"]
+    assert item["status"] == ("pass" if aware >= pooled["activation"]["excess_pp"]
+                              else "partial"), item
+    statuses[label] = item["status"]
+  assert sorted(statuses) == ["gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
+                              "quantize_bits2", "topk_sparsity0.75"]
+  assert statuses["quantize_bits2"] == "pass" and statuses["mixup_m2"] == "partial"
   assert adaptation["status"] == "partial"
   cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
            if c["defense"] == "decoy_rows" and c["knowledge"] == "trained"}

@@ -421,19 +421,30 @@ def tempered(logits_of_h: Callable[[jax.Array], jax.Array], temperature: float) 
 
 def backward_stage(ws: Workspace, budget, key: jax.Array, init_provider: InitProvider,
                    name: str):
-  """BiSR(b) on every document: (tokens [B, T] int32, details, analytic FLOPs).
+  """BiSR(b) on every document: (tokens [B, T] int32, details), the shared stage
+  `bisr_b[...]` (named by its settings): `bisr` reuses the tokens that `bisr_b` found on
+  the same workspace, and both are charged for them in full.
 
   Position 0 keeps the init's guess: no gradient reaches it, as published.
   """
   hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
   temperature = float(budget.bisr_b_init_temp)
-  init = init_provider(ws, budget, key)
-  tokens, losses, initial = optimise(ws, name, hyper, tempered(init.logits, temperature), None)
-  details = summary(losses, initial, hyper, init=f"softmax({init.name} logits / {temperature:g})",
-                    position0=f"argmax of the {init.name} init (no gradient reaches it)")
-  flops = (loop_flops(ws, hyper.steps) + init.flops
-           + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size)  # the tempered softmax
-  return tokens, details, flops
+  init = init_provider(ws, budget, key)  # Its own stages (SIP) are charged beside this one.
+  analytic = (loop_flops(ws, hyper.steps) + init.flops
+              + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size)  # the tempered softmax
+
+  def compute():
+    tokens, losses, initial = optimise(ws, name, hyper, tempered(init.logits, temperature),
+                                       None)
+    return tokens, summary(losses, initial, hyper,
+                           init=f"softmax({init.name} logits / {temperature:g})",
+                           position0=f"argmax of the {init.name} init (no gradient reaches it)")
+
+  settings = (f"steps={hyper.steps},lr={hyper.lr:g},beta={hyper.beta:g},"
+              f"wd={hyper.weight_decay:g},eps={hyper.eps:g},temp={temperature:g},"
+              f"init={init.name}")
+  tokens, details = ws.stage(f"bisr_b[{settings}]", compute, analytic=analytic)
+  return tokens.copy(), dict(details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +455,8 @@ class BisrBAttack:
   init_provider: InitProvider = sip_init
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    tokens, details, flops = backward_stage(ws, budget, key, self.init_provider, self.spec.name)
-    return registry.AttackResult(tokens, flops, details)
+    tokens, details = backward_stage(ws, budget, key, self.init_provider, self.spec.name)
+    return registry.AttackResult(tokens, 0.0, details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,14 +468,13 @@ class BisrAttack:
   init_provider: InitProvider = sip_init
 
   def __call__(self, ws: Workspace, budget, key: jax.Array) -> registry.AttackResult:
-    tokens, details_b, flops_b = backward_stage(ws, budget, key, self.init_provider,
-                                                self.spec.name)
+    tokens, details_b = backward_stage(ws, budget, key, self.init_provider, self.spec.name)
     predictions, details_f = bisr_f.refine(ws, budget, tokens, self.spec.name)
     flops_f = bisr_f.refine_flops(ws.cfg, ws.cut, ws.num_docs, ws.seq_len,
                                   int(budget.bisr_f_steps))
     details = {"bisr_b": details_b, "bisr_f": details_f,
                "bisr_b_tokens_changed_by_f": float(np.mean(predictions != tokens))}
-    return registry.AttackResult(predictions, flops_b + flops_f, details)
+    return registry.AttackResult(predictions, flops_f, details)
 
 
 _BISR_REFERENCE = "Chen et al. CCS'24 (BiSR); SplitLLM TAGAttacker, SmashedDataMatchingAttacker"

@@ -184,12 +184,16 @@ def describe(spec: AttackSpec) -> AttackSpec:
   return spec
 
 
+def module_entry(spec: AttackSpec) -> dict[str, Any]:
+  """`spec` as the scoring layer's module entry (coverage, gates, qualification)."""
+  return {**spec.to_dict(), "observations": list(spec.requires)}
+
+
 def module_entries() -> list[dict[str, Any]]:
   """Every attack module, replayable or run in its own driver, as the scoring layer's
   module entry (coverage, qualification)."""
   everything = specs() + [_EXTERNAL[n] for n in sorted(_EXTERNAL)]
-  return sorted(({**s.to_dict(), "observations": list(s.requires)} for s in everything),
-                key=lambda m: m["name"])
+  return sorted((module_entry(s) for s in everything), key=lambda m: m["name"])
 
 
 def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], knowledge: str,

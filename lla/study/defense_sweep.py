@@ -35,6 +35,7 @@ from lla.attacks import memory, registry, replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
 from lla.evidence import files
+from lla.scoring import gates
 from lla.train import finetune as finetune_lib
 
 UTILITY_FILE = "defense_utility.json"
@@ -75,20 +76,14 @@ def configurations(config) -> list[tuple[str, str, float]]:
 
 def fitting_attacks(defense: defenses.Defense, observed, knowledge: str,
                     skip=()) -> tuple[list[str], list[str]]:
-  """(attacks, defense-aware baselines) of the registry that fit a capture defended by
-  `defense` with observations `observed` (PROTOCOL section 5a); negative controls and
-  active attacks (which need a capture the server wrote) excluded, and `skip`."""
-  plain, mimic = [], []
-  for spec in registry.specs():
-    if (spec.role == "negative_control" or spec.tier != "passive" or spec.name in skip
-        or not registry.fits(spec, observed, knowledge, defense.name)):
-      continue
-    if spec.defense_aware:
-      if defense.acts_on == "activations":
-        mimic.append(spec.name)
-    else:
-      plain.append(spec.name)
-  return plain, mimic
+  """(attacks, defense-aware baselines) of the replayable registry that fit a capture
+  defended by `defense` with observations `observed`, by the rule the gates apply
+  (lla.scoring.gates.fitting_modules, PROTOCOL section 5a), less `skip`."""
+  entries = [registry.module_entry(spec) for spec in registry.specs()]
+  fitting = [m["name"] for m in gates.fitting_modules(entries, observed, knowledge, defense.name)
+             if m["name"] not in skip]
+  aware = {m["name"] for m in entries if m.get("defense_aware")}
+  return ([n for n in fitting if n not in aware], [n for n in fitting if n in aware])
 
 
 def _finetune_config(config, cut: int, train_client_layers: bool) -> ml_collections.ConfigDict:

@@ -163,8 +163,16 @@ def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLI
                           {"points": [dict(p.to_json(), on_frontier=id(p) in fronts)
                                       for p in all_points], "pairwise": rows},
                           overwrite=True)
+  text = "\n".join(_markdown(all_points, rows, fronts, FIGURE)) + "\n"
+  files.atomic_write_bytes(os.path.join(out_dir, MARKDOWN), text.encode(), overwrite=True)
+  return _markdown(all_points, rows, fronts, figure_link)
+
+
+def _markdown(all_points: list[Point], rows: list[dict], fronts: set[int],
+              figure_link: str) -> list[str]:
+  """The section's lines: figure, runs (frontier points marked), pairs at equal FLOPs."""
   lines = ["## Attacks at matched FLOPs", "",
-           f"![token recovery against FLOPs]({FIGURE})", "",
+           f"![token recovery against FLOPs]({figure_link})", "",
            "| family | attack | budget | FLOPs | token recovery | on the frontier |",
            "|---|---|---|---|---|---|"]
   for attack in sorted({p.attack for p in all_points}):
@@ -187,6 +195,4 @@ def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLI
                  f"{row['a_flops']:.3g}, {100 * row['a_recovery']:.2f}% | "
                  f"{row['b_flops']:.3g}, {100 * row['b_recovery']:.2f}% | "
                  f"{row['diff_pp']:+.2f} [{row['lo_pp']:+.2f}, {row['hi_pp']:+.2f}] |")
-  with open(os.path.join(out_dir, MARKDOWN), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return [line.replace(f"]({FIGURE})", f"]({figure_link})") for line in lines]
+  return lines
