@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lla.active import decoy_probe
+from lla.decoy import attacks as decoy_attacks
 from lla.decoy import system
 from lla.model import gpt2
 
@@ -40,7 +41,7 @@ def test_probe_off_is_the_decoy_step_bit_for_bit(tiny_system):
 def test_top_rows_agreement_and_chance_against_brute_force():
   rng = np.random.default_rng(0)
   scores = rng.normal(size=(5, 6))
-  pred = decoy_probe.top_rows(scores, 2)
+  pred = decoy_attacks.top_rows(scores, 2)
   for s in range(5):
     assert set(np.flatnonzero(pred[s])) == set(np.argsort(-scores[s])[:2])
   # Chance: the mean agreement over every choice of 2 rows out of 6 with 2 real rows.

@@ -50,8 +50,7 @@ def decoy(tmp_path_factory):
   predictions = {}
   result = decoy_run.analyse(directory, config, policy, 0, calibrate_it=False,
                              predictions=predictions)
-  written = decoy_records.write(study, directory, config, 0, "none", predictions["structural"],
-                                predictions["content"], predictions["content_baseline"], 1.0)
+  written = decoy_records.write(study, directory, config, 0, "none", predictions, 1.0)
   return root, study, config, result, written, predictions
 
 
@@ -61,11 +60,12 @@ def test_records_reproduce_the_decoy_numbers(decoy):
   space = scorecard.threat_space_from_config(scoring_config.get_config().threat_space)
   card = scorecard.build(study, threat_space=space, modules=registry.module_entries())
   rows = {r["run_id"]: r["metrics"] for r in card["rows"]}
-  assert len(rows) == 4
-  s = rows["decoy/none/m0/decoy_structural"]
-  assert s["token_recovery"] == result["structural"]["row_agreement"] == 1.0
-  assert (s["docs_exact"], s["docs"]) == (result["structural"]["frames_exact"], 64)
-  assert s["baseline_p0"] == pytest.approx(48 / 80)
+  assert len(rows) == 5
+  for attack, key in (("decoy_structural", "structural"), ("decoy_norm", "norm")):
+    s = rows[f"decoy/none/m0/{attack}"]
+    assert s["token_recovery"] == result[key]["row_agreement"] == 1.0
+    assert (s["docs_exact"], s["docs"]) == (result[key]["frames_exact"], 64)
+    assert s["baseline_p0"] == pytest.approx(48 / 80)
   content = result["content"]
   for key, arm_result in content["arms"].items():
     m = rows[f"decoy/none/m0/{modules.content_name(*key.split('/'))}"]
@@ -91,8 +91,7 @@ def test_writing_again_reuses_the_records(decoy):
   rundir.reopen(study)
   before = rundir.logged_files(study)
   again = decoy_records.write(study, str(decoy[0] / "decoy" / "capture_none"), config, 0,
-                              "none", predictions["structural"], predictions["content"],
-                              predictions["content_baseline"], 1.0)
+                              "none", predictions, 1.0)
   assert again == written and rundir.logged_files(study) == before
   rundir.finalize(study)
 

@@ -47,6 +47,37 @@ def test_structural_attack(captures):
   assert mit["frames_exact"] == 0 and mit["row_agreement"] == pytest.approx(32 / 80)
 
 
+def _chance(n_real: int, n_rows: int) -> float:
+  return 1.0 - 2.0 * n_real * (n_rows - n_real) / n_rows**2
+
+
+def _top_norm_rows(gradient: np.ndarray, n_real: int) -> np.ndarray:
+  """Each frame's rows whose norm reaches its n_real-th largest (no ties in float64)."""
+  norms = np.sqrt((gradient.astype(np.float64) ** 2).sum(-1))
+  return np.stack([row >= np.sort(row)[-n_real] for row in norms]).astype(np.int32)
+
+
+def test_norm_attack_reads_the_mitigated_norms(captures):
+  none, mit = captures["none"], captures["mitigated"]
+  # Unmitigated: decoy gradients are zero, so the 32 longest rows are the real ones.
+  exact = attacks.norm_prediction(none["gradient"], 32)
+  np.testing.assert_array_equal(exact, none["truth"]["real_mask"])
+  # Mitigated: the same rows as an independent ranking, and far above chance although the
+  # structural attack is at its base rate there (test_structural_attack).
+  pred = attacks.norm_prediction(mit["gradient"], 32)
+  np.testing.assert_array_equal(pred, _top_norm_rows(mit["gradient"], 32))
+  assert np.all(pred.sum(1) == 32)
+  scores = attacks.row_mask_scores(pred, mit["truth"]["real_mask"])
+  chance = _chance(32, 80)
+  assert scores["row_agreement"] > chance + 5 * np.sqrt(chance * (1 - chance) / pred.size)
+  # The same mechanism with no signal in the real rows (noise alone everywhere): chance.
+  noise = np.random.default_rng(0).normal(0, 0.35, (512, 80, 16))
+  truth = np.zeros((512, 80), np.int32)
+  truth[:, :32] = 1
+  blind = attacks.row_mask_scores(attacks.norm_prediction(noise, 32), truth)
+  assert abs(blind["row_agreement"] - chance) < 5 * np.sqrt(chance * (1 - chance) / truth.size)
+
+
 def test_gauge_round_trip():
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   rows = jax.random.normal(k1, (80, 64))

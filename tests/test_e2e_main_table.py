@@ -55,7 +55,8 @@ def test_predictions_regenerate_bit_for_bit(finished):
   result = regenerate.check(str(workdir / main_table.STUDY))
   assert result.problems == [] and result.provenance == []
   # The decoy-row records are produced by their own driver, not replay: listed, not redone.
-  n_decoy = config.decoy.num_seeds * 2 * (1 + 3 * len(config.decoy.probe.classifiers))
+  # Per seed and arm: decoy_structural, decoy_norm and 3 features x classifiers content probes.
+  n_decoy = config.decoy.num_seeds * 2 * (2 + 3 * len(config.decoy.probe.classifiers))
   assert len(result.skipped) == n_decoy
   assert all(s.startswith("decoy/") and "runs in its own driver" in s for s in result.skipped)
 

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from lla.decoy import attacks as decoy_attacks
 from lla.decoy import run as decoy_run
 from lla.decoy import system
 from lla.evidence import files
@@ -94,14 +95,6 @@ def run_probe_steps(spec: system.SplitSpec, amplitude: jax.Array, state: dict, b
   return jax.lax.scan(lambda s, xs: probe_step(spec, amplitude, s, *xs), state, (blocks, keys))
 
 
-def top_rows(scores: np.ndarray, n_real: int) -> np.ndarray:
-  """[S, M] bool: the n_real highest-scoring rows of each frame (ties: lower row index)."""
-  order = np.argsort(-scores, axis=1, kind="stable")[:, :n_real]
-  pred = np.zeros(scores.shape, bool)
-  np.put_along_axis(pred, order, True, axis=1)
-  return pred
-
-
 def agreement(pred: np.ndarray, real: np.ndarray) -> dict:
   """Row agreement and exact frames of a [S, M] real-row prediction."""
   return {"row_agreement": float(np.mean(pred == real)),
@@ -119,8 +112,8 @@ def score_frames(gradient: np.ndarray, directions: np.ndarray, perm: np.ndarray,
   real = perm < n_real
   probe = np.einsum("smd,smd->sm", gradient.astype(np.float64), directions.astype(np.float64))
   norms = np.linalg.norm(gradient.astype(np.float64), axis=-1)
-  return {"probe": agreement(top_rows(probe, n_real), real),
-          "passive_norm": agreement(top_rows(norms, n_real), real),
+  return {"probe": agreement(decoy_attacks.top_rows(probe, n_real), real),
+          "passive_norm": agreement(decoy_attacks.top_rows(norms, n_real), real),
           "frames": int(len(real)), "chance": chance_agreement(n_real, real.shape[1])}
 
 

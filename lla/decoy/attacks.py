@@ -2,6 +2,12 @@
 
 Structural attack: a row is real iff its returned-gradient row is not all zero.
 
+Norm attack: the R rows of each frame with the largest returned-gradient norm are real (R,
+the real rows per frame, is public). It adapts the structural attack to the mitigation:
+clipping every row to C_g and adding the same noise to all of them leaves a real row's
+clipped gradient inside its norm, so real rows stay longer on average than decoy rows,
+whose gradient is noise alone. Without the mitigation it equals the structural attack.
+
 Content attack: a known-plaintext probe. The attacker holds labelled rows (token of each
 real row) for half of the frames, trains a classifier (linear or a small MLP, JAX +
 optax), and predicts the tokens of the real rows of the other half. Every arm uses the
@@ -34,16 +40,14 @@ FEATURES = ("gradient", "forward", "joined")
 
 
 def structural(gradient: np.ndarray, real_mask: np.ndarray) -> dict:
-  """Predicts real rows as those with a nonzero returned gradient.
+  """The structural attack's scores (`row_mask_scores`) on [S, M, D] returned gradients."""
+  return row_mask_scores(structural_prediction(gradient), real_mask)
 
-  Args:
-    gradient: [S, M, D] returned gradients; real_mask: [S, M] truth.
 
-  Returns:
-    frames_exact (count), frames, row_agreement, base_rate (R / M).
-  """
-  pred = structural_prediction(gradient).astype(bool)
-  truth = real_mask.astype(bool)
+def row_mask_scores(pred: np.ndarray, real_mask: np.ndarray) -> dict:
+  """A [S, M] real-row prediction against the truth [S, M]: frames_exact (count), frames,
+  row_agreement, base_rate (R / M)."""
+  pred, truth = pred.astype(bool), real_mask.astype(bool)
   return {"frames_exact": int(np.all(pred == truth, axis=1).sum()), "frames": int(len(pred)),
           "row_agreement": float(np.mean(pred == truth)), "base_rate": float(truth.mean())}
 
@@ -51,6 +55,20 @@ def structural(gradient: np.ndarray, real_mask: np.ndarray) -> dict:
 def structural_prediction(gradient: np.ndarray) -> np.ndarray:
   """[S, M] int32: 1 where the returned-gradient row [S, M, D] is not all zero (real)."""
   return np.any(gradient != 0, axis=-1).astype(np.int32)
+
+
+def top_rows(scores: np.ndarray, n_real: int) -> np.ndarray:
+  """[S, M] bool: the n_real highest-scoring rows of each frame (ties: lower row index)."""
+  order = np.argsort(-scores, axis=1, kind="stable")[:, :n_real]
+  pred = np.zeros(scores.shape, bool)
+  np.put_along_axis(pred, order, True, axis=1)
+  return pred
+
+
+def norm_prediction(gradient: np.ndarray, n_real: int) -> np.ndarray:
+  """[S, M] int32: 1 on the n_real rows of largest returned-gradient norm ([S, M, D])."""
+  norms = np.linalg.norm(gradient.astype(np.float64), axis=-1)
+  return top_rows(norms, n_real).astype(np.int32)
 
 
 def real_rows(messages: dict, truth: dict, label: str):

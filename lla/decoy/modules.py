@@ -6,6 +6,7 @@ they are listed with `registry.describe`: coverage places their records and the
 qualification matrix lists them, while replay never runs them.
 
   decoy_structural                     real/decoy row mask from the returned-gradient rows
+  decoy_norm                           the same from the rows' norms (adapts to the mitigation)
   decoy_content_<features>_<classifier>  known-plaintext probe on the real rows' features
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from lla.attacks import registry
 
-STRUCTURAL = "decoy_structural"
+STRUCTURAL_FAMILY = STRUCTURAL = "decoy_structural"
+NORM = "decoy_norm"
 CONTENT_FAMILY = "decoy_content"
 # Features of the content probe (lla.decoy.attacks.FEATURES) -> what they read.
 FEATURE_OBSERVATIONS = {"gradient": ("gradients",), "forward": ("activations",),
@@ -34,6 +36,18 @@ registry.describe(registry.AttackSpec(
     description="a row is real iff its returned-gradient row is not all zero",
     checks=(("synthetic", "tests/test_decoy_system.py::test_structural_attack",
              "exact frames on a trained tiny split; base rate with the mitigation"),)))
+
+registry.describe(registry.AttackSpec(
+    NORM, STRUCTURAL_FAMILY, ("gradients",), knowledge=("trained",), needs_weights=False,
+    adapts_to=("decoy_rows",), reference="PROTOCOL.md section 7 (mitigation); lla.decoy.attacks",
+    threat_model=_THREAT + "; knows the mitigation's family (every row clipped to C_g, the "
+    "same noise on every row) and the public number of real rows per frame, never the "
+    "secret permutation or rotation",
+    description="the real rows are the frame's R rows of largest returned-gradient norm: "
+    "clipping keeps a real row's gradient inside its norm, a decoy row carries noise alone",
+    checks=(("synthetic", "tests/test_decoy_system.py::test_norm_attack_reads_the_mitigated_norms",
+             "exact frames where decoy gradients are zero; above chance on clipped-and-noised "
+             "rows, at chance when real rows carry no gradient"),)))
 
 for _features, _observations in FEATURE_OBSERVATIONS.items():
   for _classifier in CLASSIFIERS:

@@ -6,6 +6,7 @@ Each (seed, mitigation arm) capture gives one record per module of lla.decoy.mod
                      agreement, exact-document recovery the fraction of frames whose
                      mask is exact, and the baseline token 0 ("every row is a decoy", the
                      majority class) makes p0 the decoy share of the rows.
+  decoy_norm         the same, for the rows of largest returned-gradient norm.
   decoy_content_*    predictions [S_test, R] int32, each held-out frame's real rows in
                      wire order, against the capture's `content` view (their label
                      tokens): token recovery is the probe's accuracy, exact-document
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import os
 import time
-
-import numpy as np
 
 from lla import provenance
 from lla.decoy import capture, modules
@@ -44,8 +43,9 @@ def file_name(seed: int, arm: str, attack: str) -> str:
 
 def names(config) -> list[str]:
   """The modules recorded for each capture under `config` (its probe's classifiers)."""
-  return [modules.STRUCTURAL] + [modules.content_name(f, c) for f in modules.FEATURE_OBSERVATIONS
-                                 for c in config.probe.classifiers]
+  return [modules.STRUCTURAL, modules.NORM] + [
+      modules.content_name(f, c) for f in modules.FEATURE_OBSERVATIONS
+      for c in config.probe.classifiers]
 
 
 def missing(study: str, config, seed: int, arm: str) -> list[str]:
@@ -63,16 +63,16 @@ def defense_params(config, arm: str) -> dict:
   return params
 
 
-def write(study: str, directory: str, config, seed: int, arm: str, structural: np.ndarray,
-          content: dict, content_baseline: int, wall_s: float) -> list[AttackRecord]:
+def write(study: str, directory: str, config, seed: int, arm: str, predictions: dict,
+          wall_s: float) -> list[AttackRecord]:
   """Writes the predictions and records of one capture's attacks into `study` (skipping
   those already there); returns every record of the capture.
 
   Args:
     directory: the capture (lla.decoy.capture, with its scored views).
-    structural: [S, M] int32 row-mask predictions.
-    content: {"<features>/<classifier>": [S_test, R] int32 predicted tokens}.
-    content_baseline: the training half's most frequent token.
+    predictions: lla.decoy.run.analyse's: "structural" and "norm" ([S, M] int32 row
+      masks), "content" ({"<features>/<classifier>": [S_test, R] int32 predicted tokens})
+      and "content_baseline" (the training half's most frequent token).
   """
   _, _, metadata, sha = capture.read(directory)
   for view in capture.VIEWS:
@@ -90,21 +90,25 @@ def write(study: str, directory: str, config, seed: int, arm: str, structural: n
       defense=DEFENSE, defense_params=defense_params(config, arm), reference=None,
       seed=int(seed), flops=None, flops_source=None, flops_analytic=None,
       compile_s=None, stages={}, provenance=provenance.current())
-  jobs = [(modules.STRUCTURAL, "decoy_structural", structural, 0, "structural", {})]
+  jobs = [(modules.STRUCTURAL, modules.STRUCTURAL_FAMILY, predictions["structural"], 0,
+           "structural", {}),
+          (modules.NORM, modules.STRUCTURAL_FAMILY, predictions["norm"], 0, "structural",
+           {"n_real": int(config.protocol.n_real)})]
   probe = {k: config.probe[k] for k in ("steps", "batch", "lr", "max_classes", "mlp_hidden")}
-  for arm_key, predictions in sorted(content.items()):
+  for arm_key, tokens in sorted(predictions["content"].items()):
     features, classifier = arm_key.split("/")
     jobs.append((modules.content_name(features, classifier), modules.CONTENT_FAMILY,
-                 predictions, content_baseline, "content", {**probe, "label": config.probe.label}))
+                 tokens, predictions["content_baseline"], "content",
+                 {**probe, "label": config.probe.label}))
   out = []
-  for attack, family, predictions, baseline, view, budget in jobs:
+  for attack, family, predicted, baseline, view, budget in jobs:
     name = file_name(seed, arm, attack)
     path = os.path.join(study, rundir.RECORDS, f"{name}.json")
     if os.path.exists(path):
       out.append(AttackRecord.load(path))
       continue
     start = time.perf_counter()
-    rel, pred_sha = rundir.save_predictions(study, name, predictions)
+    rel, pred_sha = rundir.save_predictions(study, name, predicted)
     record = AttackRecord(
         run_id=run_id(seed, arm, attack), attack=attack, family=family,
         truth_file=os.path.join(capture_rel, capture.view_file(view)),

@@ -24,6 +24,8 @@ def _seed_row(seed: dict, arm: str) -> dict:
          "frames": r["structural"]["frames"],
          "structural_row_agreement": r["structural"]["row_agreement"],
          "base_rate": r["structural"]["base_rate"],
+         # A seed finished before the norm attack existed has no result for it.
+         "norm_row_agreement": r["norm"]["row_agreement"] if "norm" in r else None,
          "baseline_accuracy": c["baseline"]["accuracy"], "floor_pp": c["baseline"]["floor_pp"],
          "arms": {k: {"advantage_pp": v["advantage_pp"], "ci_pp": v["ci_pp"],
                       "gate_pp": v["gate_pp"],
@@ -75,17 +77,22 @@ def _ci(v: dict, key: str = "") -> str:
 
 def markdown(summary: dict) -> str:
   arms = list(summary["rows"][0]["arms"])
-  head = (["seed", "mitigation", "structural exact frames", "row agreement (base)"] + arms +
+  head = (["seed", "mitigation", "structural exact frames", "row agreement (base)",
+           "norm attack row agreement"] + arms +
           ["G (pp)", "gate", "held-out CE", "CE cost (nats)"])
   lines = ["# Decoy-row split: returned-gradient leak (PROTOCOL 7)", "",
            f"Policy `{summary['policy']}` sha256 `{summary['policy_sha256']}`; gate fails "
            f"when G > {summary['threshold_pp']} pp. Arm cells: paired per-frame advantage "
-           "over the most-frequent-token baseline, pp, [95% frame-cluster bootstrap].", "",
+           "over the most-frequent-token baseline, pp, [95% frame-cluster bootstrap]. The norm "
+           "attack takes each frame's R rows of largest returned-gradient norm (chance "
+           "1 - 2R(M-R)/M^2).", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in summary["rows"]:
     cost = (f"{r['ce_cost_nats']:+.4f} ({r['utility_gate']})" if "ce_cost_nats" in r else "")
     cells = ([str(r["seed"]), r["mitigation"], f"{r['structural_frames_exact']} / {r['frames']}",
-              f"{r['structural_row_agreement']:.4f} ({r['base_rate']:.2f})"] +
+              f"{r['structural_row_agreement']:.4f} ({r['base_rate']:.2f})",
+              "not run" if r["norm_row_agreement"] is None
+              else f"{r['norm_row_agreement']:.4f}"] +
              [_ci(r["arms"][a]) for a in arms] +
              [f"{r['G_pp']:+.2f}", r["gate"], f"{r['heldout_ce']:.4f}", cost])
     lines.append("| " + " | ".join(cells) + " |")

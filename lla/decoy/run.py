@@ -144,9 +144,9 @@ def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool,
             predictions: dict | None = None) -> dict:
   """Replays one capture through the attacks (and, if asked, the calibration).
 
-  `predictions`, if given, receives "structural" ([S, M] row mask), "content" ({arm:
-  [S_test, R]}) and "content_baseline" (the constant predictor's token): what the study's
-  records store.
+  `predictions`, if given, receives "structural" and "norm" ([S, M] row masks), "content"
+  ({arm: [S_test, R]}) and "content_baseline" (the constant predictor's token): what the
+  study's records store (lla.decoy.records.write).
   """
   messages, truth, metadata, sha = capture.read(directory)
   fwd, grad, labels = attacks.real_rows(messages, truth, config.probe.label)
@@ -154,14 +154,16 @@ def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool,
   feats = attacks.arm_features(fwd, grad, train)
   n_arms = len(feats) * len(config.probe.classifiers)
   content_predictions = {} if predictions is not None else None
+  norm = attacks.norm_prediction(messages["gradient"], int(config.protocol.n_real))
   result = {"capture_sha256": sha, "e_hash": metadata["e_hash"], "model_id": metadata["model_id"],
             "heldout_ce": metadata["heldout_ce"],
             "structural": attacks.structural(messages["gradient"], truth["real_mask"]),
+            "norm": attacks.row_mask_scores(norm, truth["real_mask"]),
             "content": attacks.content(feats, labels, train, test, config.probe, n_arms,
                                        policy, seed, predictions=content_predictions)}
   if predictions is not None:
     predictions.update(structural=attacks.structural_prediction(messages["gradient"]),
-                       content=content_predictions,
+                       norm=norm, content=content_predictions,
                        content_baseline=result["content"]["baseline"]["token"])
   if calibrate_it:
     base_forward = {k: {kk: vv for kk, vv in v.items() if kk != "shuffled"}
@@ -189,8 +191,7 @@ def run_seed(config, seed: int, blocks, policy: dict, policy_sha: str, workdir: 
 
   def record(arm, directory, predictions, wall_s):
     if study is not None:
-      decoy_records.write(study, directory, config, seed, arm, predictions["structural"],
-                          predictions["content"], predictions["content_baseline"], wall_s)
+      decoy_records.write(study, directory, config, seed, arm, predictions, wall_s)
 
   if os.path.exists(done):
     logging.info("seed %d: reusing %s", seed, done)

@@ -236,7 +236,8 @@ def frontier_figure(points: list[dict], path: pathlib.Path) -> None:
   for ax in axes:
     ax.set_xlabel("held-out cross-entropy increase (nats)")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=7, title="o PASS  x FAIL  s INSUFFICIENT", title_fontsize=7)
+  if axes[0].get_legend_handles_labels()[0]:  # No curve: no defense had a utility cost.
+    axes[0].legend(fontsize=7, title="o PASS  x FAIL  s INSUFFICIENT", title_fontsize=7)
   fig.suptitle("Privacy-utility frontier")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
