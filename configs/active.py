@@ -84,6 +84,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.detectors.mult = 5.0  # Official squashing: sigmoid(mult x)^exp.
   c.detectors.exp = 2.0
   c.detectors.reference_every = 2 if tiny else 5  # Reference-cosine check every n batches.
+  # Gradients Scrutinizer: a score every n steps (official 50 of 10,000; the CPU runs have
+  # 30-40 steps, and its fits need 3 earlier steps).
+  c.detectors.scrutinizer_every = 2 if tiny else 5
   c.detectors.quantile = 0.99  # Threshold: this quantile of calibration alarm scores.
   c.detectors.wilson_z = 1.6449  # One-sided 95% Wilson bound on detection / false-alarm rates.
   # Replays of every capture (lla.attacks.replay): honest runs get the passive attacks under

@@ -67,6 +67,71 @@ def test_reference_cosine_skips_the_last_row():
   assert detectors.reference_cosine(g, ref_changed) == pytest.approx(expected, rel=1e-12)
 
 
+def _official_similarity(g, labels):
+  """The per-step statistics of GradientsScrutinizer SL.py: util.get_cos_sim over every
+  ordered pair k != l of rows, split by label (rows t < T-1, label = the next token)."""
+  rows = [(g[b, t], labels[b, t + 1]) for b in range(g.shape[0]) for t in range(g.shape[1] - 1)]
+  same, diff = [], []
+  for k, (u, yu) in enumerate(rows):
+    for m, (v, yv) in enumerate(rows):
+      if k != m:
+        (same if yu == yv else diff).append(0.5 + 0.5 * u @ v / (np.linalg.norm(u)
+                                                                 * np.linalg.norm(v)))
+  return np.mean(diff), np.mean(same), np.std(diff), np.std(same)
+
+
+def _official_score(sim, i):
+  """util.detection_score at step i (its FSHA-run IoU: the true intersection), sim [4, n]
+  rows (different mean, same mean, different std, same std), transcribed."""
+  x = np.arange(i)
+  errs = [np.sqrt(np.mean((sim[r][:i] - np.poly1d(np.polyfit(x, sim[r][:i], 2))(x)) ** 2))
+          for r in (0, 1)]
+  same_min, same_max = sim[1][i] - sim[3][i], sim[1][i] + sim[3][i]
+  diff_min, diff_max = sim[0][i] - sim[2][i], sim[0][i] + sim[2][i]
+  iou_in = (0.0 if max(same_min, diff_min) > min(diff_max, same_max)
+            else min(diff_max, same_max) - max(same_min, diff_min))
+  iou = iou_in / (max(diff_max, same_max) - min(same_min, diff_min))
+  gap = (sim[1][i] - sim[0][i]) / (sim[0][i] + sim[1][i])
+  m_err = -np.log((errs[0] + errs[1]) / 2 * 7 + 1 / (np.e * np.e))
+  m_iou = -np.log(iou * 1 + 1 / np.e)
+  m_gap = gap / (np.abs(gap) ** 0.6)
+  return 1 / (1 + np.exp(-5 * (m_gap * m_err * m_iou - 0.7)))
+
+
+def test_scrutinizer_statistics_and_score_match_the_official_code():
+  rng = np.random.default_rng(4)
+  g, labels = rng.normal(size=(2, 6, 5)), rng.integers(0, 3, (2, 6))
+  np.testing.assert_allclose(detectors.label_similarity(g, labels),
+                             _official_similarity(g, labels), rtol=1e-12)
+  series = np.stack([0.50 + 0.003 * rng.normal(size=12), 0.70 + 0.003 * rng.normal(size=12),
+                     0.03 + 0.01 * rng.random(12), 0.04 + 0.01 * rng.random(12)])
+  for step in (3, 7, 11):
+    assert detectors.scrutinizer_score(series.T, step) == pytest.approx(
+        _official_score(series, step), rel=1e-12)
+  # Label-shaped gradients (same-label pairs far more alike) score as honest; gradients
+  # that ignore the labels (both kinds alike, bands overlapping) as an attack.
+  honest = detectors.scrutinizer_score(series.T, 11)
+  hijacked = series.copy()
+  hijacked[1] = hijacked[0] + 0.002 * rng.normal(size=12)
+  assert honest > 0.5 > detectors.scrutinizer_score(hijacked.T, 11)
+
+
+def test_scrutinizer_windows_skip_batches_without_same_label_pairs():
+  rng = np.random.default_rng(5)
+  scrutinizer = detectors.Scrutinizer(every=2)
+  windows = []
+  for step in range(9):
+    labels = (np.arange(12).reshape(2, 6) if step == 4  # Every label distinct: no mu_s.
+              else rng.integers(0, 3, (2, 6)))
+    window = scrutinizer.observe(step, rng.normal(size=(2, 6, 4)), labels)
+    windows += [] if window is None else [window[0]]
+  # Step 4 has no same-label pair; steps 0 and 2 have fewer than 3 earlier steps.
+  assert windows == [6, 8]
+  assert np.isnan(scrutinizer.series[4][1]) and np.isfinite(scrutinizer.series[5]).all()
+  with pytest.raises(ValueError, match="out of order"):
+    scrutinizer.observe(3, rng.normal(size=(2, 6, 4)), labels)
+
+
 def test_thresholds_quantile_hash_and_rates():
   scores = {"splitguard": [0.1, 0.5, 0.2], "reference_cosine": list(np.linspace(0, 1, 201))}
   fixed = detectors.calibrate(scores, 0.99, {"seeds": [1]})

@@ -1,4 +1,4 @@
-"""Client-side detection of a malicious server: two detectors, fixed thresholds, TPR / FPR.
+"""Client-side detection of a malicious server: three detectors, fixed thresholds, TPR / FPR.
 
   SplitGuard-LM (Erdogan, Kupcu, Cicek, WPES'22; `ege-erdogan/splitguard`
       `label-changing/splitguard.ipynb`): after `warmup` batches the client sends, with
@@ -15,6 +15,19 @@
       pre-trained tail, notes/active-server.md 4.5): every `every` batches the client
       recomputes g_ref = dL/dh with its copy of the public tail and scores cos(g, g_ref) over
       the rows t < T-1 (the last row is zero in both).
+  Gradients Scrutinizer (Fu et al., NDSS'23; `CGCL-codes/GradientsScrutinizer` util.py
+      `detection_score`, notes/active-server.md 3.2), passive: every step the client splits
+      the pairs of returned-gradient rows (t < T-1) of its batch into pairs whose labels (the
+      next tokens it sent) are the same and pairs whose labels differ, and keeps the mean
+      and standard deviation of s = 0.5 + 0.5 cos over each. Every `every` steps i it scores
+        gap = (mu_s - mu_d) / (mu_s + mu_d) at step i,
+        err = mean RMS residual of degree-2 fits of mu_d and mu_s over steps 0..i-1,
+        IoU = |band_s & band_d| / |band_s | band_d| at step i, bands mu +- sd,
+        score = sigmoid(5 (m_gap m_err m_iou - 0.7)), m_gap = gap / |gap|^0.6,
+        m_err = -ln(7 err + e^-2), m_iou = -ln(IoU + e^-1),
+      high = honest (labels shape an honest server's gradients; a hijacker's ignore them).
+      The official honest-run IoU takes min(upper) - min(lower) as the intersection; its
+      FSHA run, and this code for both, the true min(upper) - max(lower).
 
 Every detector emits an alarm score per window (higher = more suspicious: 1 - SG and
 1 - cos). A threshold is the `quantile` (0.99) of the alarm scores of calibration honest
@@ -30,7 +43,7 @@ import numpy as np
 from lla.evidence import files
 from lla.scoring import metrics
 
-DETECTORS = ("splitguard", "reference_cosine")
+DETECTORS = ("splitguard", "reference_cosine", "scrutinizer")
 
 
 # --- SplitGuard -------------------------------------------------------------------------------
@@ -101,6 +114,82 @@ def reference_cosine(g: np.ndarray, g_ref: np.ndarray) -> float:
   b = np.asarray(g_ref, np.float64)[:, :-1].reshape(-1)
   denom = np.linalg.norm(a) * np.linalg.norm(b)
   return float(a @ b / denom) if denom > 0 else 0.0
+
+
+# --- Gradients Scrutinizer --------------------------------------------------------------------
+
+
+def label_similarity(g: np.ndarray, labels: np.ndarray) -> tuple[float, float, float, float]:
+  """(mu_d, mu_s, sd_d, sd_s) of s = 0.5 + 0.5 cos over pairs of returned-gradient rows.
+
+  Args:
+    g: [B, T, d] returned gradients; rows t < T-1 carry the losses of positions t..T-2.
+    labels: [B, T] the tokens the client sent; row (b, t)'s label is labels[b, t + 1].
+
+  Returns:
+    Mean and standard deviation over the pairs of different labels (d) and of the same
+    label (s); NaN for a kind the batch has no pair of. A zero row has s = 0 (official).
+  """
+  rows = np.asarray(g, np.float64)[:, :-1].reshape(-1, g.shape[-1])
+  label = np.asarray(labels)[:, 1:].reshape(-1)
+  norms = np.linalg.norm(rows, axis=1)
+  safe = np.where(norms > 0, norms, 1.0)
+  cos = (rows / safe[:, None]) @ (rows / safe[:, None]).T
+  sim = np.where((norms[:, None] > 0) & (norms[None, :] > 0), 0.5 + 0.5 * cos, 0.0)
+  i, j = np.triu_indices(len(rows), 1)  # Unordered pairs: the ordered ones twice, same moments.
+  same = label[i] == label[j]
+  pick = lambda mask: sim[i[mask], j[mask]]
+  stat = lambda v, f: float(f(v)) if v.size else math.nan
+  d, s_ = pick(~same), pick(same)
+  return stat(d, np.mean), stat(s_, np.mean), stat(d, np.std), stat(s_, np.std)
+
+
+def _fit_error(x: np.ndarray, y: np.ndarray) -> float:
+  """RMS residual of a degree-2 least-squares fit of y [n] against x [n]."""
+  fitted = np.poly1d(np.polyfit(x, y, 2))(x)
+  return float(np.sqrt(np.mean((y - fitted) ** 2)))
+
+
+def scrutinizer_score(similarity: np.ndarray, step: int) -> float | None:
+  """The detection score (high = honest) at `step` from similarity [n > step, 4], rows
+  (mu_d, mu_s, sd_d, sd_s) of steps 0..n-1 (module doc; official constants). The fits take
+  the steps before `step` whose batch had pairs of both kinds (official: every step; a
+  batch without a same-label pair has no mu_s); None where `step` has none or fewer than
+  3 earlier steps do."""
+  earlier = np.flatnonzero(np.isfinite(similarity[:step]).all(axis=1))
+  if not np.isfinite(similarity[step]).all() or len(earlier) < 3:
+    return None
+  mu_d, mu_s, sd_d, sd_s = similarity[step]
+  x = earlier.astype(np.float64)
+  err = (_fit_error(x, similarity[earlier, 0]) + _fit_error(x, similarity[earlier, 1])) / 2
+  low, high = max(mu_s - sd_s, mu_d - sd_d), min(mu_s + sd_s, mu_d + sd_d)
+  union = max(mu_s + sd_s, mu_d + sd_d) - min(mu_s - sd_s, mu_d - sd_d)
+  iou = max(high - low, 0.0) / union if union > 0 else 1.0
+  gap = (mu_s - mu_d) / (mu_s + mu_d)
+  m_gap = gap / abs(gap) ** 0.6 if gap else 0.0
+  m_err = -math.log(7.0 * err + math.exp(-2.0))
+  m_iou = -math.log(iou + math.exp(-1.0))
+  return 1.0 / (1.0 + math.exp(-5.0 * (m_gap * m_err * m_iou - 0.7)))
+
+
+class Scrutinizer:
+  """The client's Gradients Scrutinizer over one run: `observe` takes each step's returned
+  gradient and the labels it sent, in step order, and returns a window (step, alarm score
+  = 1 - score) at every `every`-th step that `scrutinizer_score` can score."""
+
+  def __init__(self, every: int):
+    if every < 1:
+      raise ValueError(f"scrutinizer_every must be >= 1, got {every}")
+    self.every, self.series = every, []
+
+  def observe(self, step: int, g: np.ndarray, labels: np.ndarray) -> tuple[int, float] | None:
+    if step != len(self.series):
+      raise ValueError(f"scrutinizer: step {step} observed out of order")
+    self.series.append(label_similarity(g, labels))
+    if step % self.every:
+      return None
+    score = scrutinizer_score(np.asarray(self.series, np.float64), step)
+    return None if score is None else (step, 1.0 - score)
 
 
 # --- thresholds and judgement -----------------------------------------------------------------

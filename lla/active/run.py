@@ -320,6 +320,7 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
   guard = detectors.SplitGuard(int(det.splitguard_warmup), float(det.p_fake), float(det.mult),
                                float(det.exp))
   shifts = guard.plan(num_steps, setup.cfg.vocab_size, np.random.default_rng([seed, 1]))
+  scrutinizer = detectors.Scrutinizer(int(det.scrutinizer_every))
   public_rng = np.random.default_rng([seed, 2])
   batches = loop.batches(np.asarray(setup.splits.training.tokens), size, seed)
   keys = jax.random.split(k_steps, num_steps)
@@ -342,16 +343,19 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
     cstate, sstate, out = train_step(setup.cspec, server, cstate, sstate, tokens, public_batch,
                                      jnp.int32(shifts[s]), jnp.int32(s), jnp.int32(seed), keys[s])
     g = out["g"]
+    # The labels the client sent (a fake batch's are shifted): the reference must answer
+    # the same question as the server, and the Scrutinizer groups rows by them.
+    labels = (tokens + shifts[s]) % setup.cfg.vocab_size if shifts[s] else tokens
     if s % int(det.reference_every) == 0:
-      # The labels the client sent (a fake batch's are shifted): the reference must answer
-      # the same question as the server.
-      labels = (tokens + shifts[s]) % setup.cfg.vocab_size if shifts[s] else tokens
       g_ref = reference_gradient(setup.ref_tail, out["h"], labels, cfg=setup.cfg, k=setup.cut)
       windows["reference_cosine"].append(
           [s, 1.0 - detectors.reference_cosine(np.asarray(g), np.asarray(g_ref))])
     window = guard.observe(s, np.asarray(out["probe"]), int(shifts[s]))
     if window is not None:
       windows["splitguard"].append(list(window))
+    window = scrutinizer.observe(s, np.asarray(g), np.asarray(labels))
+    if window is not None:
+      windows["scrutinizer"].append(list(window))
     log = {k: float(v) for k, v in jax.device_get(out["log"]).items()}
     row_norm = float(jnp.mean(jnp.sqrt(jnp.sum(g[:, :-1] ** 2, axis=-1))))
     steps.append({"step": s, "fake": bool(shifts[s]), "g_row_norm": row_norm, **log})
