@@ -99,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.published = ml_collections.ConfigDict()
   config.published.attacks = ("sipit", "sip", "sip_linear", "bisr_f", "eia", "tag", "lamp",
                               "bisr_b", "bisr")
-  config.published.docs = (256 if paper else (8 if tiny else 24))  # Documents attacked.
+  config.published.docs = (256 if paper else (8 if tiny else 16))  # Documents attacked.
   config.capture_batch_size = 32  # Documents per training batch at capture (g's loss).
   # Corpus study: ridge inversion alone on each corpus against its frequency baseline.
   config.corpus_study = ml_collections.ConfigDict()
