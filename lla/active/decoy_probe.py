@@ -111,9 +111,8 @@ def score_frames(gradient: np.ndarray, directions: np.ndarray, perm: np.ndarray,
   """The probe (<g_r, u_r>) and the passive control (|g_r|) against the real-row truth."""
   real = perm < n_real
   probe = np.einsum("smd,smd->sm", gradient.astype(np.float64), directions.astype(np.float64))
-  norms = np.linalg.norm(gradient.astype(np.float64), axis=-1)
   return {"probe": agreement(decoy_attacks.top_rows(probe, n_real), real),
-          "passive_norm": agreement(decoy_attacks.top_rows(norms, n_real), real),
+          "passive_norm": agreement(decoy_attacks.norm_prediction(gradient, n_real) == 1, real),
           "frames": int(len(real)), "chance": chance_agreement(n_real, real.shape[1])}
 
 

@@ -154,16 +154,16 @@ def analyse(directory: str, config, policy: dict, seed: int, calibrate_it: bool,
   feats = attacks.arm_features(fwd, grad, train)
   n_arms = len(feats) * len(config.probe.classifiers)
   content_predictions = {} if predictions is not None else None
+  structural = attacks.structural_prediction(messages["gradient"])
   norm = attacks.norm_prediction(messages["gradient"], int(config.protocol.n_real))
   result = {"capture_sha256": sha, "e_hash": metadata["e_hash"], "model_id": metadata["model_id"],
             "heldout_ce": metadata["heldout_ce"],
-            "structural": attacks.structural(messages["gradient"], truth["real_mask"]),
+            "structural": attacks.row_mask_scores(structural, truth["real_mask"]),
             "norm": attacks.row_mask_scores(norm, truth["real_mask"]),
             "content": attacks.content(feats, labels, train, test, config.probe, n_arms,
                                        policy, seed, predictions=content_predictions)}
   if predictions is not None:
-    predictions.update(structural=attacks.structural_prediction(messages["gradient"]),
-                       norm=norm, content=content_predictions,
+    predictions.update(structural=structural, norm=norm, content=content_predictions,
                        content_baseline=result["content"]["baseline"]["token"])
   if calibrate_it:
     base_forward = {k: {kk: vv for kk, vv in v.items() if kk != "shuffled"}

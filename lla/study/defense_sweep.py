@@ -80,10 +80,10 @@ def fitting_attacks(defense: defenses.Defense, observed, knowledge: str,
   defended by `defense` with observations `observed`, by the rule the gates apply
   (lla.scoring.gates.fitting_modules, PROTOCOL section 5a), less `skip`."""
   entries = [registry.module_entry(spec) for spec in registry.specs()]
-  fitting = [m["name"] for m in gates.fitting_modules(entries, observed, knowledge, defense.name)
+  fitting = [m for m in gates.fitting_modules(entries, observed, knowledge, defense.name)
              if m["name"] not in skip]
-  aware = {m["name"] for m in entries if m.get("defense_aware")}
-  return ([n for n in fitting if n not in aware], [n for n in fitting if n in aware])
+  return ([m["name"] for m in fitting if not m.get("defense_aware")],
+          [m["name"] for m in fitting if m.get("defense_aware")])
 
 
 def _finetune_config(config, cut: int, train_client_layers: bool) -> ml_collections.ConfigDict:
