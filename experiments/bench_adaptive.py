@@ -30,7 +30,7 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.model import split
-from lla.model.gpt2 import GPT2Config, init_params
+from lla.model.gpt2 import GPT2Config, random_params
 
 SHAPES = {
     "small": dict(n_layer=4, n_embd=64, n_head=4),
@@ -45,24 +45,6 @@ _PARAMS = flags.DEFINE_string("params", "kind=haar", "Its public parameters: nam
 _ATTACK = flags.DEFINE_string("attack", "projection_adaptive", "The adaptive attack.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights (and the attacks' keys).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
-
-
-def random_params(cfg: GPT2Config, seed: int) -> dict:
-  """GPT-2 initialisation (normal 0.02, wpe 0.01, LayerNorm 1/0), drawn with numpy (as
-  experiments/bench_attacks.py draws it)."""
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = path[-1].key
-    if name == "scale":
-      return jnp.ones(leaf.shape, jnp.float32)
-    if name == "bias":
-      return jnp.zeros(leaf.shape, jnp.float32)
-    std = 0.01 if path[0].key == "wpe" else 0.02
-    return jnp.asarray(std * rng.standard_normal(leaf.shape, dtype=np.float32))
-
-  shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
-  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _parse(text: str, name: str) -> dict:

@@ -72,7 +72,7 @@ from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh
 from lla.model import checkpoint, hf_io, split
-from lla.model.gpt2 import GPT2Config, init_params
+from lla.model.gpt2 import GPT2Config, random_params
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Documents attacked by lla (paper: 256).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 32, "Tokens per document T.")
@@ -138,26 +138,6 @@ def select_device(name: str) -> jax.Device:
 
 def predictions_sha256(predictions) -> str:
   return hashlib.sha256(np.ascontiguousarray(predictions, np.int32).tobytes()).hexdigest()
-
-
-def random_params(cfg: GPT2Config, seed: int) -> dict:
-  """GPT-2 initialisation (normal 0.02, wpe 0.01, LayerNorm 1/0), drawn with numpy.
-
-  Same distribution as `init_params` without an eager Flax init of 124M parameters.
-  """
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = path[-1].key
-    if name == "scale":
-      return jnp.ones(leaf.shape, jnp.float32)
-    if name == "bias":
-      return jnp.zeros(leaf.shape, jnp.float32)
-    std = 0.01 if path[0].key == "wpe" else 0.02
-    return jnp.asarray(std * rng.standard_normal(leaf.shape, dtype=np.float32))
-
-  shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
-  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def parse_budget(items) -> dict:

@@ -42,7 +42,7 @@ from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.data import load as data_load
 from lla.model import split
-from lla.model.gpt2 import GPT2Config, init_params
+from lla.model.gpt2 import GPT2Config, random_params
 
 MODELS = {
     "small": (GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_head=4, n_layer=4), 2),
@@ -64,21 +64,6 @@ _SAVE = flags.DEFINE_string("save", "", "Internal: the worker's .npz.")
 
 BUDGET = {"candidates": 32, "beam_width": 2, "c_a": 16, "c_g": 16, "ridge_alpha": 1e-3,
           "shuffle_seed": 17}
-
-
-def random_params(cfg: GPT2Config, seed: int) -> dict:
-  """GPT-2's initialisation (normal 0.02, wpe 0.01, LayerNorm 1/0), drawn with numpy."""
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = path[-1].key
-    if name in ("scale", "bias"):
-      return jnp.full(leaf.shape, 1.0 if name == "scale" else 0.0, jnp.float32)
-    std = 0.01 if path[0].key == "wpe" else 0.02
-    return jnp.asarray(std * rng.standard_normal(leaf.shape, dtype=np.float32))
-
-  return jax.tree_util.tree_map_with_path(
-      draw, jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0)))
 
 
 def worker(precision: str) -> None:

@@ -1,9 +1,11 @@
 """The workspace meter: what an attack is charged does not depend on what ran before it."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from lla.attacks import registry
+from lla.attacks import beam, registry
 from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -37,6 +39,31 @@ def test_charges_do_not_depend_on_attack_order():
       "calibration_activations", "ridge", "activation_candidates"}
   assert set(charges["joint"][0].stages) == {
       "calibration_activations", "ridge", "activation_candidates", "gradient_ranking"}
-  # The beam search's own executables (start, one step per position) are counted.
+  # The beam search's own loop is counted.
   assert charges["activation"][0].flops > sum(
       c["flops"] for c in charges["activation"][0].stages.values())
+
+
+def test_scan_is_charged_what_its_iterations_cost_one_call_each():
+  """XLA counts a while loop's body once; `Workspace.scan` charges it per trip, so a beam
+  search metered as one loop costs exactly its positions compiled and called one by one,
+  and finds the same tokens."""
+  ws = workspace()
+  width, num = 2, 5
+  rng = np.random.default_rng(2)
+  cands = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 6, num)), jnp.int32)
+  target = jnp.asarray(ws.activations)
+  with ws.attack_scope("looped"):
+    tokens, _ = beam.search(ws.params, CFG, 2, target, cands, width, scan=ws.scan)
+    looped = ws.charge(0.0)
+  with ws.attack_scope("stepped"):
+    state = ws.call(beam.start, target, cfg=CFG, k=2, width=width)
+    for t in range(target.shape[1]):
+      state = ws.call(beam.step, ws.params, state, jnp.int32(t), cands[:, t], target[:, t],
+                      cfg=CFG)
+    stepped = ws.charge(0.0)
+  np.testing.assert_array_equal(tokens, state[1][:, 0])
+  assert looped.flops_source == stepped.flops_source == "xla" and stepped.flops > 0
+  # Within the loop's own counter and bound check: 2 FLOPs a trip here.
+  assert 0 <= looped.flops - stepped.flops <= 4 * target.shape[1]
+  assert looped.flops == pytest.approx(beam.analytic_flops(CFG, 2, 3, width, num, 6), rel=0.5)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lla.model import split
+from lla.model import gpt2, split
 from lla.model.gpt2 import GPT2Config, init_params
 
 CFG = GPT2Config(vocab_size=83, n_positions=20, n_embd=48, n_head=4, n_layer=4)
@@ -137,3 +137,25 @@ def test_invalid_cut_raises(params, tokens, k):
     split.boundary_messages(params, CFG, tokens, k)
   with pytest.raises(ValueError, match=f"cut k={k}"):
     split.server_loss(params, CFG, jnp.zeros((B, T, CFG.n_embd)), tokens, k)
+
+
+def test_random_params_draws_init_params_tree_and_scales():
+  """The numpy draw the benchmarks use: init_params' tree, shapes and dtypes; LayerNorm
+  1/0; per-tensor standard deviations at GPT-2's 0.02 (0.01 for wpe); seeded."""
+  cfg = GPT2Config(vocab_size=500, n_positions=64, n_embd=64, n_head=4, n_layer=2)
+  drawn = gpt2.random_params(cfg, seed=4)
+  flax_init = init_params(cfg, jax.random.key(0))
+  assert jax.tree_util.tree_structure(drawn) == jax.tree_util.tree_structure(flax_init)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(drawn),
+                          jax.tree_util.tree_leaves(flax_init)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype), path
+    name, a = path[-1].key, np.asarray(a)
+    if name in ("scale", "bias"):
+      np.testing.assert_array_equal(a, 1.0 if name == "scale" else 0.0, err_msg=str(path))
+    elif a.size >= 4096:
+      want = 0.01 if path[0].key == "wpe" else 0.02
+      assert abs(a.std() / want - 1) < 0.05 and abs(a.mean()) < 0.1 * want, (path, a.std())
+  again = gpt2.random_params(cfg, seed=4)
+  other = gpt2.random_params(cfg, seed=5)
+  np.testing.assert_array_equal(drawn["wte"]["embedding"], again["wte"]["embedding"])
+  assert not np.array_equal(drawn["wte"]["embedding"], other["wte"]["embedding"])

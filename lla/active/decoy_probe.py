@@ -15,8 +15,9 @@ node is its loss: the perturbation is noise on the real rows it decodes, so the 
 held-out CE after training and its training loss, against the a = 0 run of the same seed,
 are both the utility cost and the natural detector (the TLN owns the loss).
 
-`probe_step` is `lla.decoy.system.step` with the perturbation added; at a = 0 it is that
-step bit for bit (tested), so every other part of the system is the measured one.
+`probe_step` is `lla.decoy.system.step` with the perturbation added to the UCN's output;
+at a = 0 it is that step bit for bit (tested), so every other part of the system is the
+measured one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
 from lla.decoy import attacks as decoy_attacks
@@ -51,42 +51,10 @@ def probe_step(spec: system.SplitSpec, amplitude: jax.Array, state: dict, block:
     (new state, out) with out = {forward [M, D], gradient [M, D] as the UCN receives it,
     perm [M], loss, directions [M, D] the UCN's u}.
   """
-  k_noise, k_decoy, k_perm, k_rot, k_mit = jax.random.split(key, 5)
   k_probe = jax.random.fold_in(key, 0x9E37)  # The UCN's own secret, not any of the TLN's.
-  tln, ucn, r = state["tln"], state["ucn"], spec.n_real
-
-  real, fwd_vjp = jax.vjp(lambda p: system.encode(spec, p, block[:-1], k_noise), tln)
-  decoys = state["pool"][jax.random.choice(k_decoy, spec.pool_size, (spec.n_decoy,),
-                                           replace=False)]
-  perm = jax.random.permutation(k_perm, spec.n_rows)
-  rot = system.haar(k_rot, spec.width)
-  frame_in = system.to_wire(jnp.concatenate([real, decoys]), perm, rot)
-
-  frame_out, ucn_vjp = jax.vjp(system.ucn_apply, ucn, frame_in)
   directions = secret_directions(k_probe, spec.n_rows, spec.width)
-  frame_out = frame_out + amplitude * directions
-
-  def loss_of(p, out):
-    return system.tail_loss(spec, p, system.from_wire(out, perm, rot)[:r], block[1:])
-
-  loss, (g_tln_tail, g_out) = jax.value_and_grad(loss_of, argnums=(0, 1))(tln, frame_out)
-  if spec.grad_clip > 0:
-    g_out = system.mitigate(spec, g_out, k_mit)
-  g_ucn, g_in = ucn_vjp(g_out)
-  (g_tln_fwd,) = fwd_vjp(system.from_wire(g_in, perm, rot)[:r])
-  g_tln = jax.tree.map(jnp.add, g_tln_tail, g_tln_fwd)
-
-  tln_tx, ucn_tx = system._optimizers(spec)  # pylint: disable=protected-access
-  upd, tln_opt = tln_tx.update(g_tln, state["tln_opt"], tln)
-  tln = optax.apply_updates(tln, upd)
-  upd, ucn_opt = ucn_tx.update(g_ucn, state["ucn_opt"], ucn)
-  ucn = optax.apply_updates(ucn, upd)
-  pool = jax.lax.dynamic_update_slice(state["pool"], jax.lax.stop_gradient(real),
-                                      (state["ptr"], 0))
-  new_state = {"tln": tln, "ucn": ucn, "tln_opt": tln_opt, "ucn_opt": ucn_opt, "pool": pool,
-               "ptr": (state["ptr"] + r) % spec.pool_size}
-  return new_state, {"forward": frame_in, "gradient": g_out, "perm": perm, "loss": loss,
-                     "directions": directions}
+  new_state, out = system.step(spec, state, block, key, ucn_offset=amplitude * directions)
+  return new_state, {**out, "directions": directions}
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -42,7 +42,7 @@ def beam_on(ws: Workspace, targets: np.ndarray, candidates: np.ndarray,
             width: int) -> np.ndarray:
   """The activation-matching beam search of PROTOCOL section 4 on targets [B, T, d] instead
   of the observed messages: predictions [B, T] int32."""
-  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, call=ws.call)[0]
+  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan)[0]
   out = ws.map_documents(search, (np.asarray(targets, np.float32),
                                   np.asarray(candidates, np.int32)),
                          beam_attacks.beam_bytes_per_doc(ws, width, candidates.shape[-1]))
@@ -96,7 +96,7 @@ def attack_through(ws: Workspace, params, num: int, width: int):
                            8.0 * ws.seq_len * ws.cfg.vocab_size,
                            consts=(decoder.weights, decoder.mu_h, decoder.mu_e,
                                    split.wte(params)), num=num)
-  search = lambda h, c: beam.search(params, ws.cfg, ws.cut, h, c, width, call=ws.call)
+  search = lambda h, c: beam.search(params, ws.cfg, ws.cut, h, c, width, scan=ws.scan)
   predictions, scores = ws.map_documents(
       search, (ws.activations, candidates.astype(np.int32)),
       beam_attacks.beam_bytes_per_doc(ws, width, num))

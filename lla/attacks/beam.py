@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lla.attacks import workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -77,17 +78,12 @@ def step(params, state, t: jax.Array, candidates_t: jax.Array, target_t: jax.Arr
   return jax.vmap(one)(state, candidates_t, target_t)
 
 
-def invoke(fn, *args, **kwargs):
-  """Calls `fn` directly: `search`'s `call` when nothing is metered."""
-  return fn(*args, **kwargs)
-
-
-def search(params, cfg: GPT2Config, k: int, target, candidates, width: int, call=invoke):
+def search(params, cfg: GPT2Config, k: int, target, candidates, width: int,
+           scan=workspace.run_steps):
   """Beam search over the documents of one chunk.
 
-  The loop over positions runs here, one compiled `step` per position, so that each
-  executed step is metered (`call` is `Workspace.call` in an attack) and the executable
-  compiles once per (model, cut, W, C, chunk shape).
+  The positions run as one compiled loop of `step` (`scan` is `Workspace.scan` in an
+  attack, which meters it), compiled once per (model, cut, W, C, chunk shape).
 
   Args:
     params: the attacker's GPT-2 parameters (client layers 0..k-1 are used).
@@ -102,11 +98,15 @@ def search(params, cfg: GPT2Config, k: int, target, candidates, width: int, call
   """
   _validate(cfg, k, target, candidates, width)
   target, candidates = jnp.asarray(target), jnp.asarray(candidates, jnp.int32)
-  state = call(start, target, cfg=cfg, k=k, width=width)
-  for t in range(target.shape[1]):
-    state = call(step, params, state, jnp.int32(t), candidates[:, t], target[:, t], cfg=cfg)
-  _, tokens, scores = state
+  state = start(target, cfg=cfg, k=k, width=width)
+  _, tokens, scores = scan(step, (params,), state, positions(target, candidates), cfg=cfg)
   return tokens[:, 0], scores[:, 0]
+
+
+def positions(target: jax.Array, candidates: jax.Array) -> tuple:
+  """The loop's inputs, position-major: (t [T], candidates [T, B, C], target [T, B, d])."""
+  return (jnp.arange(target.shape[1], dtype=jnp.int32), jnp.swapaxes(candidates, 0, 1),
+          jnp.swapaxes(target, 0, 1))
 
 
 def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:

@@ -217,10 +217,9 @@ class LikelihoodBeam:
                                     c_g=num - through)) if num > 1 else ranked
 
     def search(target, cands):
-      state = ws.call(start, target, cfg=ws.cfg, k=ws.cut, width=width)
-      for t in range(target.shape[1]):
-        state = ws.call(step, ws.params, state, jnp.int32(t), cands[:, t], target[:, t],
-                        cfg=ws.cfg, k=ws.cut, mechanism=mechanism, prior_weight=prior_weight)
+      state = start(target, cfg=ws.cfg, k=ws.cut, width=width)
+      state = ws.scan(step, (ws.params,), state, beam.positions(target, cands.astype(np.int32)),
+                      cfg=ws.cfg, k=ws.cut, mechanism=mechanism, prior_weight=prior_weight)
       return state[2][:, 0]
 
     d, cfg = ws.cfg.n_embd, ws.cfg

@@ -9,8 +9,10 @@ Every compiled computation an attack runs goes through `Workspace.call` (or the 
 `map_call` / `map_documents`): it is compiled once per process for its (function, static
 arguments, argument shapes) and reused across captures, attacks, seeds and chunks, and its
 FLOPs are XLA's cost analysis of that very executable, added once per invocation. An
-attack's FLOPs are therefore what it executed, loops included (XLA counts a loop body once,
-so iterative attacks drive their loops from Python and each iteration is counted). Shared
+attack's FLOPs are therefore what it executed, loops included: XLA counts a loop body once,
+so a loop either runs from Python, each iteration counted, or as one `Workspace.scan`,
+whose executable is nothing but the loop and is charged its body's count times the trip
+count (tested equal to the per-iteration sum). Shared
 stages keep their own FLOPs, compile and wall time, and every attack that uses a stage is
 charged its full cost, as if it had run alone; the record lists the stages it was charged.
 """
@@ -41,6 +43,24 @@ from lla.model.gpt2 import GPT2Config
 #     (executable, its dynamic keyword names, FLOPs per call or None).
 _EXECUTABLES: dict = {}
 STATUS_ERROR_CHARS = 2000  # of an error message passed between processes
+
+
+@functools.partial(jax.jit, static_argnames=("step", "static"))
+def scan_steps(consts, state, xs, step, static=()):
+  """`state` after `state = step(*consts, state, *x, **dict(static))` for each x along the
+  leading axis of the pytree `xs`, as one XLA while loop.
+
+  The positions of a beam search are such a loop. Driven from Python, every call would redo
+  what the compiled loop hoists out of it once (weight layouts, broadcast constants): a
+  quarter of a beam-search step on CPU.
+  """
+  body = lambda s, x: (step(*consts, s, *x, **dict(static)), None)
+  return jax.lax.scan(body, state, xs)[0]
+
+
+def run_steps(step, consts, state, xs, **static):
+  """`scan_steps` unmetered (outside an attack); `Workspace.scan` is the metered twin."""
+  return scan_steps(consts, state, xs, step=step, static=tuple(sorted(static.items())))
 
 
 def _flops_of(executable) -> float | None:
@@ -261,13 +281,23 @@ class Workspace:
 
   def call(self, jitted, *args, **kwargs):
     """Runs `jitted(*args, **kwargs)` through its cached executable and meters it."""
+    return self._metered(jitted, args, kwargs, trips=1)
+
+  def scan(self, step, consts, state, xs, **static):
+    """`run_steps` metered: the executable is the loop alone, so XLA's count of its body
+    (the while loop counted once) times the trip count is what ran."""
+    trips = int(jax.tree_util.tree_leaves(xs)[0].shape[0])
+    return self._metered(scan_steps, (consts, state, xs),
+                         {"step": step, "static": tuple(sorted(static.items()))}, trips)
+
+  def _metered(self, jitted, args: tuple, kwargs: dict, trips: int):
     executable, dynamic, flops, compile_s = compiled(jitted, *args, **kwargs)
     scope = self._scopes[-1]
     scope.compile_s += compile_s
     if flops is None:
       scope.missing_xla = True
     else:
-      scope.xla_flops += flops
+      scope.xla_flops += flops * trips
     return executable(*args, **{name: kwargs[name] for name in dynamic})
 
   def count_host(self, flops: float) -> None:

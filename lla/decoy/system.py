@@ -196,13 +196,16 @@ def init_state(spec: SplitSpec, gpt2_params: dict, pool_blocks: jax.Array, key: 
           "pool": pool.reshape(spec.pool_size, spec.width), "ptr": jnp.zeros((), jnp.int32)}
 
 
-def step(spec: SplitSpec, state: dict, block: jax.Array, key: jax.Array):
+def step(spec: SplitSpec, state: dict, block: jax.Array, key: jax.Array,
+         ucn_offset: jax.Array | None = None):
   """One training step of both nodes.
 
   Args:
     state: as returned by `init_state`.
     block: [R + 1] int tokens (inputs block[:R], targets block[1:]).
     key: this step's key; every secret (noise, decoys, permutation, rotation) derives from it.
+    ucn_offset: [M, D] added by a malicious UCN to its output frame
+      (lla.active.decoy_probe); None for the honest system.
 
   Returns:
     (new state, out) with out = {forward [M, D] the frame sent, gradient [M, D] the
@@ -221,6 +224,8 @@ def step(spec: SplitSpec, state: dict, block: jax.Array, key: jax.Array):
   frame_in = to_wire(jnp.concatenate([real, decoys]), perm, rot)
 
   frame_out, ucn_vjp = jax.vjp(ucn_apply, ucn, frame_in)  # UCN forward.
+  if ucn_offset is not None:
+    frame_out = frame_out + ucn_offset
 
   def loss_of(p, out):
     return tail_loss(spec, p, from_wire(out, perm, rot)[:r], block[1:])
