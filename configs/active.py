@@ -87,6 +87,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Gradients Scrutinizer: a score every n steps (official 50 of 10,000; the CPU runs have
   # 30-40 steps, and its fits need 3 earlier steps).
   c.detectors.scrutinizer_every = 2 if tiny else 5
+  # SplitOut: the honest simulation's steps (its LOF takes n - 1 neighbours) and the
+  # majority-vote window w (official w in {1, 10}; 5 gives the CPU runs 5-7 windows each).
+  c.detectors.splitout_honest_steps = 6 if tiny else 16
+  c.detectors.splitout_window = 2 if tiny else 5
   c.detectors.quantile = 0.99  # Threshold: this quantile of calibration alarm scores.
   c.detectors.wilson_z = 1.6449  # One-sided 95% Wilson bound on detection / false-alarm rates.
   # Replays of every capture (lla.attacks.replay): honest runs get the passive attacks under

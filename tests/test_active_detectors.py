@@ -159,3 +159,61 @@ def test_separation_against_brute_force():
   assert sep["auc"] == pytest.approx(np.mean(pairs))
   assert sep["tpr_above_honest"] == pytest.approx(1 / 3)
   assert detectors.separation([], attack) == {"auc": None, "tpr_above_honest": None}
+
+
+def _brute_force_lof(honest: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+  """Local outlier factor of each query against the honest set, from Breunig et al.'s
+  definition (novelty: training points' neighbourhoods exclude themselves; reachability
+  distance max(k-distance(o), d(p, o)); the 1e-10 of scikit-learn's density)."""
+  dist = lambda a, b: np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1))
+  train = dist(honest, honest)
+  np.fill_diagonal(train, np.inf)
+  train_nn = np.argsort(train, axis=1, kind="stable")[:, :k]
+  k_distance = np.take_along_axis(train, train_nn, 1)[:, -1]
+
+  def lrd(distances, neighbours):
+    reach = np.maximum(distances, k_distance[neighbours])
+    return 1.0 / (reach.mean(axis=1) + 1e-10)
+
+  train_lrd = lrd(np.take_along_axis(train, train_nn, 1), train_nn)
+  query = dist(queries, honest)
+  query_nn = np.argsort(query, axis=1, kind="stable")[:, :k]
+  query_lrd = lrd(np.take_along_axis(query, query_nn, 1), query_nn)
+  return train_lrd[query_nn].mean(axis=1) / query_lrd
+
+
+def test_splitout_lof_matches_the_definition_and_separates_a_shifted_cloud():
+  rng = np.random.default_rng(3)
+  honest = rng.normal(size=(16, 40))
+  inside = rng.normal(size=(6, 40))
+  shifted = rng.normal(size=(6, 40)) + 4.0
+  splitout = detectors.SplitOut(honest, window=3)
+  queries = np.concatenate([inside, shifted])
+  np.testing.assert_allclose(splitout.factor(queries), _brute_force_lof(honest, queries, 15),
+                             rtol=1e-9)
+  lof = splitout.factor(queries)
+  threshold = detectors.SPLITOUT_OFFICIAL_THRESHOLD
+  assert (lof[:6] < threshold).all() and (lof[6:] > threshold).all()
+  with pytest.raises(ValueError, match="at least 3"):
+    detectors.SplitOut(honest[:2], window=3)
+
+
+def test_splitout_windows_are_the_majority_vote():
+  rng = np.random.default_rng(4)
+  for w in (1, 2, 3, 4, 5, 10):
+    for _ in range(50):
+      lofs = rng.choice([0.9, 1.2, 1.6, 2.5, 4.0], size=w)
+      majority = np.sum(lofs > 1.5) > w / 2
+      assert (detectors.majority_score(lofs) > 1.5) == majority, (w, lofs)
+  honest = rng.normal(size=(8, 5))
+  splitout = detectors.SplitOut(honest, window=2)
+  vectors = [rng.normal(size=5), rng.normal(size=5) + 6, rng.normal(size=5) + 6,
+             rng.normal(size=5) + 6]
+  steps = [0, 2, 3, 7]  # Skipped steps (SplitGuard's fake batches) are not observed.
+  windows = [splitout.observe(s, v) for s, v in zip(steps, vectors)]
+  assert windows[0] is None and windows[2] is None
+  lof = splitout.factor(np.stack(vectors))
+  assert windows[1] == (2, pytest.approx(min(lof[:2])))  # Both must be outliers.
+  assert windows[3] == (7, pytest.approx(min(lof[2:])))
+  with pytest.raises(ValueError, match="out of order"):
+    splitout.observe(7, vectors[0])

@@ -9,7 +9,7 @@ import pytest
 
 from configs import active
 from lla.active import attack as fsha_attack
-from lla.active import client, fsha, run
+from lla.active import client, detectors, fsha, run
 from lla.attacks import regenerate, replay
 from lla.capture import store
 from lla.data import passages
@@ -61,8 +61,7 @@ def test_a_run_replays_bit_for_bit(runs):
     a, b = dict(out["a"][kind]), dict(out["b"][kind])
     a.pop("wall_s"), b.pop("wall_s")
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), kind
-    assert (a["windows"]["reference_cosine"] and a["windows"]["splitguard"]
-            and a["windows"]["scrutinizer"])
+    assert all(a["windows"][name] for name in detectors.DETECTORS), a["windows"]
     for step, sha in a["captures"].items():
       directory = tmp / "a" / "captures" / a["name"] / f"step_{step}"
       assert store.verify(directory) == sha
@@ -115,7 +114,8 @@ def test_tiny_experiment_end_to_end(tmp_path):
   servers = {r["server"] for r in summary["recovery"]}
   assert servers == {"honest", "fsha", "mixed0.2"}
   assert all(r["token_recovery"] is not None for r in summary["recovery"])
-  assert set(summary["detection"]) == {"splitguard", "reference_cosine", "scrutinizer"}
+  assert set(summary["detection"]) == {"splitguard", "reference_cosine", "scrutinizer",
+                                       "splitout"}
   card = json.loads((tmp_path / "study" / "scorecard.json").read_text())
   assert card["coverage"]["tiers"]["active"]["partial"] + \
       card["coverage"]["tiers"]["active"]["covered"] >= 1

@@ -1,4 +1,4 @@
-"""Client-side detection of a malicious server: three detectors, fixed thresholds, TPR / FPR.
+"""Client-side detection of a malicious server: four detectors, fixed thresholds, TPR / FPR.
 
   SplitGuard-LM (Erdogan, Kupcu, Cicek, WPES'22; `ege-erdogan/splitguard`
       `label-changing/splitguard.ipynb`): after `warmup` batches the client sends, with
@@ -28,6 +28,16 @@
       high = honest (labels shape an honest server's gradients; a hijacker's ignore them).
       The official honest-run IoU takes min(upper) - min(lower) as the intersection; its
       FSHA run, and this code for both, the true min(upper) - max(lower).
+  SplitOut (Erdogan et al., CANS'24, arXiv 2302.08618; `ege-erdogan/splitout` `sg_ad.ipynb`,
+      notes/active-server.md 3.3): before training the client simulates honest split
+      training on its own data with its copy of the public tail, and fits scikit-learn's
+      `LocalOutlierFactor(n_neighbors = n - 1, novelty=True)` on the n probe vectors (SplitGuard's:
+      the first block's attention-kernel gradient) it saw. In training each step's probe
+      vector is an outlier when its LOF exceeds 1.5 (scikit-learn's `contamination="auto"`
+      offset), and the client flags an attack when the outliers are the majority of a window
+      of w steps. A window's alarm score is the (floor(w/2) + 1)-th largest LOF of its steps:
+      it exceeds 1.5 exactly when the majority does (the official rule), and the calibrated
+      threshold below applies to it like to the others'. Windows do not overlap.
 
 Every detector emits an alarm score per window (higher = more suspicious: 1 - SG and
 1 - cos). A threshold is the `quantile` (0.99) of the alarm scores of calibration honest
@@ -43,7 +53,9 @@ import numpy as np
 from lla.evidence import files
 from lla.scoring import metrics
 
-DETECTORS = ("splitguard", "reference_cosine", "scrutinizer")
+DETECTORS = ("splitguard", "reference_cosine", "scrutinizer", "splitout")
+# scikit-learn's LocalOutlierFactor with contamination="auto": outlier iff LOF > 1.5.
+SPLITOUT_OFFICIAL_THRESHOLD = 1.5
 
 
 # --- SplitGuard -------------------------------------------------------------------------------
@@ -190,6 +202,46 @@ class Scrutinizer:
       return None
     score = scrutinizer_score(np.asarray(self.series, np.float64), step)
     return None if score is None else (step, 1.0 - score)
+
+
+# --- SplitOut -----------------------------------------------------------------------------------
+
+
+def majority_score(lofs) -> float:
+  """A window's alarm score: the (floor(w/2) + 1)-th largest of its w LOF values, which is
+  above a threshold exactly when more than half of them are (SplitOut's majority vote)."""
+  values = np.sort(np.asarray(lofs, np.float64))[::-1]
+  return float(values[len(values) // 2])
+
+
+class SplitOut:
+  """The client's SplitOut over one run: fitted on the probe vectors of its honest
+  simulation, `observe` takes the probe vectors of the steps it judges in step order and
+  returns a window (its last step, alarm score) every `window` of them."""
+
+  def __init__(self, honest_vectors, window: int):
+    from sklearn.neighbors import LocalOutlierFactor  # pylint: disable=g-import-not-at-top
+    honest = np.asarray(honest_vectors, np.float64)
+    if honest.ndim != 2 or len(honest) < 3:
+      raise ValueError(f"splitout: needs at least 3 honest probe vectors, got {honest.shape}")
+    if window < 1:
+      raise ValueError(f"splitout_window must be >= 1, got {window}")
+    self.lof = LocalOutlierFactor(n_neighbors=len(honest) - 1, novelty=True).fit(honest)
+    self.window, self.pending, self.last_step = window, [], -1
+
+  def factor(self, vectors) -> np.ndarray:
+    """LOF [n] of probe vectors [n, p] against the honest set (1 = as dense as it)."""
+    return -self.lof.score_samples(np.asarray(vectors, np.float64))
+
+  def observe(self, step: int, vector: np.ndarray) -> tuple[int, float] | None:
+    if step <= self.last_step:
+      raise ValueError(f"splitout: step {step} observed out of order")
+    self.last_step = step
+    self.pending.append(float(self.factor(np.asarray(vector)[None])[0]))
+    if len(self.pending) < self.window:
+      return None
+    score, self.pending = majority_score(self.pending), []
+    return step, score
 
 
 # --- thresholds and judgement -----------------------------------------------------------------

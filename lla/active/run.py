@@ -97,6 +97,11 @@ class Setup:
   def ref_tail(self) -> dict:
     return parts.tail_params(self.base, self.cfg, self.cut)
 
+  @functools.cached_property
+  def splitout_sets(self) -> dict:
+    """SplitOut's honest sets by seed (`splitout_honest_set`), computed once per process."""
+    return {}
+
 
 def load_base(config, workdir: pathlib.Path) -> tuple[dict, gpt2.GPT2Config, str, dict]:
   """(params, cfg, params sha256, loading source) of the base model.
@@ -293,6 +298,30 @@ def write_capture(setup: Setup, server, cstate: dict, sstate: dict, name: str, k
   return store.reuse_or_write(directory, write)
 
 
+def splitout_honest_set(setup: Setup, seed: int) -> np.ndarray:
+  """SplitOut's honest set [n, p]: the probe vectors of the split training that the client
+  of `seed` simulates before it trains: `detectors.splitout_honest_steps` steps on batches
+  of its own training documents (drawn apart from the run's batch order), against an
+  honest server that starts from the client's copy of the public pre-trained tail. It does
+  not depend on the server: the client cannot tell servers apart before training."""
+  if seed not in setup.splitout_sets:
+    size = int(setup.config.batch_size)
+    server = make_server(setup, "honest", 0.0)
+    cstate = client.init(setup.cspec, setup.base)
+    sstate = init_server(setup, server, jax.random.key(seed))
+    rng = np.random.default_rng([seed, 3])
+    tokens = np.asarray(setup.splits.training.tokens)
+    vectors = []
+    for s in range(int(setup.config.detectors.splitout_honest_steps)):
+      batch = tokens[rng.choice(len(tokens), size, replace=False)]
+      cstate, sstate, out = train_step(setup.cspec, server, cstate, sstate, batch, batch,
+                                       jnp.int32(0), jnp.int32(s), jnp.int32(seed),
+                                       jax.random.key(s))
+      vectors.append(np.asarray(out["probe"]))
+    setup.splitout_sets[seed] = np.stack(vectors)
+  return setup.splitout_sets[seed]
+
+
 def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.Path,
              capture_steps=()) -> dict:
   """One split fine-tuning run; writes runs/<name>.json (reused if finished).
@@ -321,6 +350,7 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
                                float(det.exp))
   shifts = guard.plan(num_steps, setup.cfg.vocab_size, np.random.default_rng([seed, 1]))
   scrutinizer = detectors.Scrutinizer(int(det.scrutinizer_every))
+  splitout = detectors.SplitOut(splitout_honest_set(setup, seed), int(det.splitout_window))
   public_rng = np.random.default_rng([seed, 2])
   batches = loop.batches(np.asarray(setup.splits.training.tokens), size, seed)
   keys = jax.random.split(k_steps, num_steps)
@@ -356,6 +386,10 @@ def simulate(setup: Setup, kind: str, beta: float, seed: int, workdir: pathlib.P
     window = scrutinizer.observe(s, np.asarray(g), np.asarray(labels))
     if window is not None:
       windows["scrutinizer"].append(list(window))
+    # SplitGuard's fake batches are the client's own probes, not training: SplitOut skips them.
+    window = None if shifts[s] else splitout.observe(s, np.asarray(out["probe"]))
+    if window is not None:
+      windows["splitout"].append(list(window))
     log = {k: float(v) for k, v in jax.device_get(out["log"]).items()}
     row_norm = float(jnp.mean(jnp.sqrt(jnp.sum(g[:, :-1] ** 2, axis=-1))))
     steps.append({"step": s, "fake": bool(shifts[s]), "g_row_norm": row_norm, **log})
