@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import models
+from kernels import compare as kernel_compare
 from lla import runtime
 from lla.attacks import beam, workspace
 from lla.model.gpt2 import GPT2Config, random_params
@@ -92,17 +93,9 @@ def traced_seconds(trace_dir: str) -> collections.Counter:
 
 
 def matmul_rate(n: int) -> float:
+  """FLOP/s of a float32 [n, n] x [n, n] product (best of 3 warm calls)."""
   a = jnp.ones((n, n), jnp.float32)
-  product = jax.jit(lambda x: x @ x)
-  product(a).block_until_ready()
-  best = min(_timed(lambda: product(a).block_until_ready()) for _ in range(3))
-  return 2.0 * n**3 / best
-
-
-def _timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
+  return 2.0 * n**3 / kernel_compare.timed(jax.jit(lambda x: x @ x), (a,), 3)["best_s"]
 
 
 def main(argv):
@@ -124,7 +117,12 @@ def main(argv):
                                           static=static).compile()
   run = lambda: jax.block_until_ready(executable((params,), state, xs))
   run()
-  seconds = min(_timed(run) for _ in range(_REPEATS.value))
+  times = []
+  for _ in range(_REPEATS.value):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  seconds = min(times)
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     run()

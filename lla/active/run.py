@@ -308,15 +308,16 @@ def splitout_honest_set(setup: Setup, seed: int) -> np.ndarray:
     size = int(setup.config.batch_size)
     server = make_server(setup, "honest", 0.0)
     cstate = client.init(setup.cspec, setup.base)
-    sstate = init_server(setup, server, jax.random.key(seed))
+    sstate = init_server(setup, server, jax.random.key(0))
     rng = np.random.default_rng([seed, 3])
     tokens = np.asarray(setup.splits.training.tokens)
+    unused = setup.public[:size]  # The honest server reads neither public text nor a key.
     vectors = []
     for s in range(int(setup.config.detectors.splitout_honest_steps)):
       batch = tokens[rng.choice(len(tokens), size, replace=False)]
-      cstate, sstate, out = train_step(setup.cspec, server, cstate, sstate, batch, batch,
+      cstate, sstate, out = train_step(setup.cspec, server, cstate, sstate, batch, unused,
                                        jnp.int32(0), jnp.int32(s), jnp.int32(seed),
-                                       jax.random.key(s))
+                                       jax.random.key(0))
       vectors.append(np.asarray(out["probe"]))
     setup.splitout_sets[seed] = np.stack(vectors)
   return setup.splitout_sets[seed]
