@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import models
+from lla.train import models as models_lib
 from kernels import compare as kernel_compare
 from lla import runtime
 from lla.attacks import beam, workspace
-from lla.model.gpt2 import GPT2Config, random_params
+from lla.model.gpt2 import random_params
 
 _MODEL = flags.DEFINE_enum("model", "embedded", list(models.NAMES), "Model shape (random weights).")
 _DOCS = flags.DEFINE_integer("docs", 48, "Documents B (the main job's defended captures: 48).")
@@ -102,8 +103,7 @@ def main(argv):
   del argv
   runtime.configure()
   spec = models.get_config(_MODEL.value)
-  cfg = GPT2Config(vocab_size=spec.vocab_size, n_positions=spec.n_positions,
-                   n_embd=spec.n_embd, n_layer=spec.n_layer, n_head=spec.n_head)
+  cfg = models_lib.gpt2_config(spec)
   docs, seq_len, num, width, cut = (_DOCS.value, _SEQ_LEN.value, _CANDIDATES.value,
                                     _WIDTH.value, _CUT.value)
   params = random_params(cfg, _SEED.value)

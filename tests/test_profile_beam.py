@@ -14,17 +14,17 @@ import sys
 import numpy as np
 
 from configs import models
+from lla.train import models as models_lib
 from experiments import profile_beam
 from lla.attacks import beam, workspace
-from lla.model.gpt2 import GPT2Config, random_params
+from lla.model.gpt2 import random_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_classify_names_the_projections_and_attention_of_every_block():
   spec = models.get_config("tiny")
-  cfg = GPT2Config(vocab_size=spec.vocab_size, n_positions=spec.n_positions,
-                   n_embd=spec.n_embd, n_layer=spec.n_layer, n_head=spec.n_head)
+  cfg = models_lib.gpt2_config(spec)
   k, docs, seq_len, num, width = 2, 3, 6, 4, 2
   rng = np.random.default_rng(0)
   target = rng.standard_normal((docs, seq_len, cfg.n_embd), dtype=np.float32)
@@ -60,7 +60,6 @@ def test_binary_shares_add_up(tmp_path):
   assert result["traced_op_s"] > 0 and result["by_kind_s"]["projection GEMMs"] > 0
   np.testing.assert_allclose(sum(result["by_kind_s"].values()), result["traced_op_s"])
   np.testing.assert_allclose(sum(result["by_kind_share"].values()), 1.0)
-  flops = beam.analytic_flops(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32,
-                                         n_layer=4, n_head=2), 2, 3, 2, 4, 6)
+  flops = beam.analytic_flops(models_lib.gpt2_config(models.get_config("tiny")), 2, 3, 2, 4, 6)
   assert result["analytic_flops"] == flops
 
