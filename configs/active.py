@@ -93,7 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.detectors.splitout_window = 2 if tiny else 5
   c.detectors.quantile = 0.99  # Threshold: this quantile of calibration alarm scores.
   c.detectors.wilson_z = 1.6449  # One-sided 95% Wilson bound on detection / false-alarm rates.
-  # Replays of every capture (lla.attacks.replay): honest runs get the passive attacks under
+  # Replays of every capture (lla.replay.driver): honest runs get the passive attacks under
   # `trained` knowledge, hijacked runs fsha_decode (knowledge none) and passive attacks on
   # the same documents. Beam search costs ~10 s per capture on 2 cores: cpu runs it on the
   # honest captures only.

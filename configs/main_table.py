@@ -16,7 +16,7 @@ import ml_collections
 
 from configs import active, decoy_leak, finetune, models, pretrain, scoring, sweep
 from lla import data
-from lla.attacks import budget
+from lla.attacks import registry
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -71,7 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Every declared budget field (lla.attacks.budget), at its published default; each replay
   # passes the fields its attacks read. `cpu` and `tiny` cut the published attacks' step
   # budgets to fit 2 cores (recorded in every record's E.B).
-  config.budget = budget.config()
+  config.budget = registry.budget_config()
   if not paper:
     # AdamW's eps: SplitLLM's 1e-6 dwarfs the label gradients of a batch-mean loss over 32
     # documents x 31 positions (~5e-9), so TAG/LAMP/BiSR(b) barely move at published eps

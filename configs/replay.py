@@ -1,4 +1,4 @@
-"""Replay registered attacks on a stored capture (lla.attacks.replay).
+"""Replay registered attacks on a stored capture (lla.replay.driver).
 
 Run:
 
@@ -14,7 +14,7 @@ with no calibration .npy, the calibration split of lla.data.
 import ml_collections
 
 from configs import models
-from lla.attacks import budget
+from lla.attacks import registry
 from lla.data import load as data_load
 
 
@@ -32,9 +32,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Comma-separated registered attack names (lla.attacks.registry.names()).
   config.attacks = "activation,joint,gradient_only,gradient_only_t1,shuffled_gradients,random_candidates"
   # Every declared budget field at its default (lla.attacks.budget: the published values;
-  # `python -c "from lla.attacks import budget; print(budget.config())"` lists them). A
+  # `python -c "from lla.attacks import registry; print(registry.budget_config())"` lists them). A
   # field changed here must be read by one of the requested attacks.
-  config.budget = budget.config()
+  config.budget = registry.budget_config()
   # Modules outside lla that register attacks, comma-separated ("pkg.module,..."), and
   # their budget fields as "name=value,..." (declared by the plugin, so not in `budget`).
   config.plugins = ""

@@ -26,7 +26,7 @@ the product of its axes (lla.sweep.cells). Budget paths may name any declared bu
 import ml_collections
 
 from configs import models
-from lla.attacks import budget, registry
+from lla.attacks import registry
 from lla.data import load as data_load
 
 # The frontier's budget knobs. Per attack family: the attacks it runs and, per attack, the
@@ -119,7 +119,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cell.attacks = ("activation",)  # Registered attack names run on the cell's capture.
   # Budget fields (lla.attacks.budget), at their defaults; a cell's identity holds only
   # those it changes. A field that none of the cell's attacks reads must stay at default.
-  cell.budget = budget.config()
+  cell.budget = registry.budget_config()
   cell.plugins = ""  # Modules outside lla that register attacks ("pkg.module,...").
   cell.seed = 0  # Attack seed: every attack's randomness derives from it.
   cell.model_seed = 0  # Which fine-tuned target this is (defense secrets derive from it).

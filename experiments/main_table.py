@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from experiments import distributed
 from lla import dist, runtime
-from lla.attacks import replay
+from lla.replay import driver as replay
 from lla.study import main_table
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",

@@ -1,6 +1,6 @@
 """Profile: where the compiled beam search's time goes, by kind of operation.
 
-Runs `lla.attacks.beam.search`'s loop (one compiled `Workspace.scan_steps` executable, as
+Runs `lla.attacks.seed.beam.search`'s loop (one compiled `Workspace.scan_steps` executable, as
 every beam attack runs it) on random inputs at a model's shape, times it warm, then
 traces one call with JAX's profiler and attributes each executed XLA operation of the
 loop (the trace's per-operation events, matched by name to the executable's optimised HLO,
@@ -38,7 +38,8 @@ from configs import models
 from lla.train import models as models_lib
 from kernels import compare as kernel_compare
 from lla import runtime
-from lla.attacks import beam, workspace
+from lla.attacks.seed import beam
+from lla.attacks import workspace
 from lla.model.gpt2 import random_params
 
 _MODEL = flags.DEFINE_enum("model", "embedded", list(models.NAMES), "Model shape (random weights).")

@@ -12,7 +12,8 @@ import sys
 from absl import app, flags
 
 from lla import provenance, runtime
-from lla.attacks import regenerate, registry
+from lla.replay import regenerate
+from lla.attacks import registry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run (or study) directory.", required=True)
 _PLUGINS = flags.DEFINE_string("plugins", "", "Modules that register the run's plugin attacks.")

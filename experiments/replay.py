@@ -20,7 +20,8 @@ from ml_collections import config_flags
 
 from experiments import distributed
 from lla import dist, runtime
-from lla.attacks import budget, registry, replay, replay_runner
+from lla.attacks import budget, registry
+from lla.replay import driver as replay, runner as replay_runner
 from lla.capture import store
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)

@@ -6,7 +6,7 @@ JAX computation and connects them (explicit coordinator address, process count a
 jax.distributed's auto-detection under Slurm, Open MPI and on TPU pod slices). Then:
 
 * Process 0 leads: it runs the job and is the only process that writes. The others follow
-  (lla.attacks.replay.follow): for each replay the leader announces, they load the same
+  (lla.replay.driver.follow): for each replay the leader announces, they load the same
   capture and attacker and compute their share of every document chunk, because the
   `docs` mesh spans the devices of every process (lla.attacks.workspace).
 * Control messages (a replay request, the end of the job: small JSON) go through the

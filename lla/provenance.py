@@ -2,7 +2,7 @@
 
 Bit-for-bit regeneration (PROTOCOL section 3) holds on one software stack and device
 kind; across machines XLA may fuse, vectorise or pick kernels differently. Every record
-stores `current()`, and `lla.attacks.regenerate` names each difference between a record's
+stores `current()`, and `lla.replay.regenerate` names each difference between a record's
 provenance and its own beside its verdict, so that a mismatch on another machine comes
 with its likely cause (vec2text issue #53 reports exactly this drift).
 """

@@ -10,7 +10,7 @@ import pytest
 from configs import active
 from lla.active import attack as fsha_attack
 from lla.active import client, detectors, fsha, run
-from lla.attacks import regenerate, replay
+from lla.replay import regenerate, driver as replay
 from lla.capture import store
 from lla.data import passages
 from lla.evidence import rundir

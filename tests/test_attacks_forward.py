@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from lla.attacks import bisr_f, eia, optimise, registry, replay, sip
+from lla.attacks.published import bisr_f, eia, sip
+from lla.attacks import optimise, registry
+from lla.replay import driver as replay
 from lla.attacks import budget as budget_lib
-from lla.attacks.budget import relevant
+from lla.attacks.registry import relevant_budget as relevant
 from lla.attacks.workspace import Workspace, compiled
 from lla.capture import capture
 from lla.model import hf_io, split

@@ -19,9 +19,11 @@ import numpy as np
 import optax
 import pytest
 
-from lla.attacks import bisr_f, downstream, gradmatch, lamp, registry, replay
+from lla.attacks.published import bisr_f, gradmatch, lamp
+from lla.attacks import downstream, registry
+from lla.replay import driver as replay
 from lla.attacks import budget as budget_lib
-from lla.attacks.budget import relevant
+from lla.attacks.registry import relevant_budget as relevant
 from lla.attacks.workspace import Workspace
 from lla.capture import capture
 from lla.model import hf_io, split

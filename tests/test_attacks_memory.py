@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lla.attacks import beam, memory
+from lla.attacks.seed import beam
+from lla.attacks import memory
 from lla.attacks import candidates as cand_lib
 from lla.attacks.workspace import Workspace, chunk_plan
 from lla.capture import store

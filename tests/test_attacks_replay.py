@@ -1,7 +1,7 @@
 """Replay: determinism, resume, crashes, chunking, sharding and refusal of bad inputs.
 
 A tiny random GPT-2 (V = 512, d = 32, 3 layers, k = 2) is captured once (training and
-inference captures of 10 documents x 8 tokens) and replayed through `lla.attacks.replay`
+inference captures of 10 documents x 8 tokens) and replayed through `lla.replay.driver`
 (and once through the experiments/replay.py binary). Predictions are compared byte for
 byte across run directories: twice in a row, after a resume, with a memory budget that
 forces one document per chunk or ragged chunks of 3, and, in a subprocess, sharded over
@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from lla.attacks import beam_attacks, registry, replay
-from lla.attacks.budget import relevant
+from lla.attacks.seed import beam_attacks
+from lla.attacks import registry
+from lla.replay import driver as replay
+from lla.attacks.registry import relevant_budget as relevant
 from lla.attacks.workspace import Workspace
 from lla.capture import capture, store
 from lla.evidence import files, manifest, rundir
@@ -201,8 +203,8 @@ def test_chunking_invariance(setup, reference_run):
 
 _SHARDED = textwrap.dedent("""
     import sys, jax, ml_collections, numpy as np
-    from lla.attacks import replay
-    from lla.attacks.budget import relevant
+    from lla.replay import driver as replay
+    from lla.attacks.registry import relevant_budget as relevant
     from lla.model import hf_io
     from test_attacks_replay import make_attacker
     root, attacks = sys.argv[1], sys.argv[2].split(",")

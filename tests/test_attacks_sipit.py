@@ -12,7 +12,8 @@ import pytest
 
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
-from lla.attacks import registry, sipit
+from lla.attacks import registry
+from lla.attacks.published import sipit
 from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lla.attacks import beam
+from lla.attacks.seed import beam
 from lla.attacks import candidates as cand_lib
 from lla.attacks import ridge
 from lla.attacks.workspace import iterate_chunks

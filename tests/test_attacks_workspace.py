@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lla.attacks import beam, registry
+from lla.attacks.seed import beam
+from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config

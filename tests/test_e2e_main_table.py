@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import main_table as main_table_config
-from lla.attacks import regenerate
+from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
 from lla.study import main_table

@@ -1,8 +1,10 @@
-"""Layering: lower packages never import upper ones (a static scan of every import).
+"""Layering: lower packages never import upper ones, and no module imports itself back
+(a static scan of every import).
 
 evidence (records, logs, run directories) sits below scoring, which reads it; the model sits
-below training, which trains it. An import in the wrong direction, even a lazy one inside a
-function, fails here with the file and line.
+below training, which trains it; attacks sit below the replay driver and the study that run
+them. An import in the wrong direction, even a lazy one inside a function, fails here with
+the file and line; so does a circle of imports between lla's modules.
 """
 
 import ast
@@ -14,6 +16,7 @@ LLA = pathlib.Path(__file__).resolve().parent.parent / "lla"
 FORBIDDEN = {  # package -> packages it must not import
     "evidence": ("lla.scoring", "lla.attacks", "lla.study", "lla.train", "lla.model"),
     "model": ("lla.train", "lla.attacks", "lla.scoring", "lla.study"),
+    "attacks": ("lla.replay", "lla.study", "lla.sweep"),
 }
 
 
@@ -48,3 +51,86 @@ def test_the_scan_sees_lazy_and_from_imports(tmp_path):
   source.write_text("def f():\n  from lla.scoring import records\n  import lla.train.loop\n")
   assert [m for _, m in imports(source)] == ["lla.scoring", "lla.scoring.records",
                                             "lla.train.loop"]
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(LLA.parent).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: pathlib.Path = LLA) -> dict[str, set[str]]:
+  """lla module -> the lla modules it imports. `from package import name` imports the
+  submodule when `name` is one, else the package; parent packages are not edges (every
+  import of a submodule runs them), so re-exports in an __init__ make no circle."""
+  paths = {module_name(p): p for p in sorted(root.rglob("*.py"))}
+  graph = {}
+  for name, path in paths.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        edges |= {a.name for a in node.names if a.name in paths}
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(parts + ([base] if base else []))
+        for alias in node.names:
+          target = f"{base}.{alias.name}"
+          edges.add(target if target in paths else base)
+    graph[name] = {e for e in edges if e in paths and e != name}
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return sorted(found)
+
+
+def test_no_import_cycles_in_lla():
+  assert cycles(import_graph()) == []
+
+
+def test_the_cycle_scan_finds_lazy_circles(tmp_path):
+  pkg = tmp_path / "lla"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "sub" / "a.py").write_text("from lla.sub import b\n")
+  (pkg / "sub" / "b.py").write_text("def f():\n  from lla.sub import c\n")
+  (pkg / "sub" / "c.py").write_text("import lla.sub.a\n")
+  (pkg / "d.py").write_text("from lla.sub import a\n")
+  global LLA
+  saved, LLA = LLA, pkg
+  try:
+    graph = import_graph(pkg)
+  finally:
+    LLA = saved
+  assert graph["lla.d"] == {"lla.sub.a"}
+  assert cycles(graph) == [["lla.sub.a", "lla.sub.b", "lla.sub.c"]]

@@ -16,7 +16,8 @@ import numpy as np
 from configs import models
 from lla.train import models as models_lib
 from experiments import profile_beam
-from lla.attacks import beam, workspace
+from lla.attacks.seed import beam
+from lla.attacks import workspace
 from lla.model.gpt2 import random_params
 
 ROOT = Path(__file__).resolve().parent.parent

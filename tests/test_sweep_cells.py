@@ -4,6 +4,7 @@ import pytest
 
 from configs import sweep
 from lla.attacks import budget as budget_lib
+from lla.attacks import registry
 from lla.sweep import cells
 
 
@@ -19,7 +20,7 @@ def test_each_cell_keeps_the_base_budget_fields_its_attacks_read():
   shared = cells.expand(config({"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5}, grid))
   by_attack = {tuple(c.config["attacks"]): c for c in shared}
   assert by_attack[("ridge",)].config["budget"] == {"ridge_alpha": 0.5}
-  read = set(budget_lib.relevant({"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5},
+  read = set(registry.relevant_budget({"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5},
                                  ["tag"]))
   assert by_attack[("tag",)].config["budget"] == {
       k: v for k, v in {"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5}.items()

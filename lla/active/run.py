@@ -41,7 +41,7 @@ from lla import data
 from lla.active import attack as fsha_attack
 from lla.active import client, detectors, fsha, parts, public, servers
 from lla.active.protocol import check_forward
-from lla.attacks import replay
+from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.evidence import files, rundir
 from lla.model import checkpoint as ckpt

@@ -164,14 +164,6 @@ def validate(budget, specs, vocab_size: int) -> dict[str, Any]:
   return out
 
 
-def relevant(budget, attacks) -> dict[str, Any]:
-  """The fields of `budget` that at least one of `attacks` (names) declares: what a caller
-  holding one budget for many attacks passes to a replay of some of them."""
-  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
-  read = {f for name in attacks for f in registry.get(name).spec.budget_fields}
-  return {k: v for k, v in as_dict(budget).items() if k in read}
-
-
 class View:
   """The fields one attack declared, read as attributes or items; anything else raises."""
 
@@ -191,14 +183,6 @@ class View:
 
   def to_dict(self) -> dict[str, Any]:
     return dict(self.values)
-
-
-def config(names=None) -> ml_collections.ConfigDict:
-  """A ConfigDict of the declared fields' defaults (all of them, or `names`)."""
-  from lla.attacks import registry  # Built-in attacks declare their fields on import.
-  registry.load_builtin()
-  chosen = sorted(_FIELDS) if names is None else list(names)
-  return ml_collections.ConfigDict({n: get(n).default for n in chosen})
 
 
 # Fields of the seed protocol's attacks (PROTOCOL section 4).

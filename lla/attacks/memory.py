@@ -28,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import types
+from typing import Callable
 
 import jax
 from safetensors import safe_open
 
+from lla.attacks import registry
 from lla.capture import store
 from lla.evidence import files
 from lla.model.gpt2 import GPT2Config
@@ -114,36 +115,28 @@ def _chunking(bytes_per_doc: float, num_docs: int, budget: int) -> tuple[int, in
   return chunk, math.ceil(num_docs / chunk)
 
 
+# Attack name -> stages(cfg, cut, num_docs, seq_len, budget, materialised): the attack's
+# (stage, bytes per document) list. Each attack module declares its own (`declare_stages`),
+# so that this model imports no attack.
+_STAGES: dict[str, Callable[..., list[tuple[str, float]]]] = {}
+
+
+def declare_stages(name: str, stages: Callable[..., list[tuple[str, float]]]) -> None:
+  """Declares attack `name`'s working set per stage (its `_defense_aware` variant shares it)."""
+  if name in _STAGES:
+    raise ValueError(f"memory stages of attack {name!r} are declared twice")
+  _STAGES[name] = stages
+
+
 def attack_stages(name: str, cfg: GPT2Config, cut: int, num_docs: int, seq_len: int,
                   budget: dict, materialised: bool) -> list[tuple[str, float]] | None:
-  """(stage, bytes per document) of a built-in attack; None for attacks without a formula
-  here (plugins and newer modules)."""
-  d, vocab = cfg.n_embd, cfg.vocab_size
-  base = name.removesuffix("_defense_aware")
-  rank = lambda num: ranking_bytes_per_doc(seq_len, vocab, d, num, materialised)
-  width = int(budget.get("beam_width", 0))
-  searched = lambda c: beam_bytes_per_doc(d, cut, seq_len, width, c)
-  joint_c = int(budget.get("c_a", 0)) + int(budget.get("c_g", 0))
-  if base == "ridge":
-    return [("activation_candidates", rank(int(budget["candidates"])))]
-  if base == "activation":
-    c = int(budget["candidates"])
-    return [("activation_candidates", rank(c)), ("beam_search", searched(c))]
-  if base == "activation_flop_matched":
-    shape = types.SimpleNamespace(cfg=cfg, cut=cut, num_docs=num_docs, seq_len=seq_len)
-    from lla.attacks import beam_attacks  # registers attacks; imported only when asked
-    c = beam_attacks.flop_matched_budget(shape, types.SimpleNamespace(**budget))
-    return [("activation_candidates", rank(c)), ("beam_search", searched(c))]
-  if base in ("joint", "shuffled_gradients"):
-    return [("activation_candidates", rank(joint_c)), ("gradient_ranking", rank(joint_c)),
-            ("beam_search", searched(joint_c))]
-  if base == "random_candidates":
-    return [("activation_candidates", rank(joint_c)),
-            ("random_fill", random_fill_bytes_per_doc(seq_len, vocab)),
-            ("beam_search", searched(joint_c))]
-  if base in ("gradient_only", "gradient_only_t1"):
-    return [("gradient_ranking", rank(joint_c))]
-  return None
+  """(stage, bytes per document) of an attack; None for attacks that declare none
+  (plugins and newer modules)."""
+  registry.load_builtin()
+  stages = _STAGES.get(name.removesuffix("_defense_aware"))
+  if stages is None:
+    return None
+  return stages(cfg, cut, num_docs, seq_len, budget, materialised)
 
 
 def estimate(attacks, cfg: GPT2Config, cut: int, num_docs: int, seq_len: int, budget: dict,

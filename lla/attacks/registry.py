@@ -12,7 +12,10 @@ import importlib
 from typing import Any, Callable, Protocol
 
 import jax
+import ml_collections
 import numpy as np
+
+from lla.attacks import budget as budget_lib
 
 OBSERVATIONS = ("activations", "gradients")
 KNOWLEDGE = ("public", "trained", "none")
@@ -110,7 +113,6 @@ _REGISTRY: dict[str, Attack] = {}
 
 def register(attack: Attack) -> Attack:
   """Adds an attack instance to the registry; checks its declaration first."""
-  from lla.attacks import budget  # pylint: disable=g-import-not-at-top
   spec = attack.spec
   name = spec.name
   if name in _REGISTRY:
@@ -124,7 +126,7 @@ def register(attack: Attack) -> Attack:
     problems.append(f"role {spec.role!r} not in {ROLES}")
   if spec.tier not in TIERS:
     problems.append(f"tier {spec.tier!r} not in {TIERS}")
-  undeclared = [f for f in spec.budget_fields if f not in budget.fields()]
+  undeclared = [f for f in spec.budget_fields if f not in budget_lib.fields()]
   if undeclared:
     problems.append(f"reads undeclared budget fields {undeclared} (declare them with "
                     "lla.attacks.budget.declare)")
@@ -162,7 +164,6 @@ def execute(name: str, ws, budget, key: jax.Array):
   `budget` holds at least the fields the attack declares (a dict, ConfigDict or the
   validated budget of a replay); the attack sees only those.
   """
-  from lla.attacks import budget as budget_lib  # pylint: disable=g-import-not-at-top
   attack = get(name)
   values = {**budget_lib.defaults(), **budget_lib.as_dict(budget)}
   view = budget_lib.View(values, attack.spec.budget_fields, name)
@@ -222,11 +223,13 @@ def fits(spec: AttackSpec, observed, knowledge: str, defense: str) -> bool:
   return True
 
 
-BUILTIN_MODULES = ("lla.attacks.beam_attacks", "lla.attacks.heuristics", "lla.attacks.sipit",
-                   "lla.attacks.sip", "lla.attacks.bisr_f", "lla.attacks.eia",
-                   "lla.attacks.gradmatch", "lla.attacks.lamp", "lla.attacks.projection_adaptive",
-                   "lla.attacks.mixup_adaptive", "lla.attacks.likelihood_beam",
-                   "lla.attacks.nopeek_adaptive", "lla.decoy.modules", "lla.active.attack")
+BUILTIN_MODULES = (
+    "lla.attacks.seed.beam_attacks", "lla.attacks.seed.heuristics",
+    "lla.attacks.published.sipit", "lla.attacks.published.sip", "lla.attacks.published.bisr_f",
+    "lla.attacks.published.eia", "lla.attacks.published.gradmatch", "lla.attacks.published.lamp",
+    "lla.attacks.adaptive.projection_adaptive", "lla.attacks.adaptive.mixup_adaptive",
+    "lla.attacks.adaptive.likelihood_beam", "lla.attacks.adaptive.nopeek_adaptive",
+    "lla.decoy.modules", "lla.active.attack")
 
 
 def load_builtin() -> None:
@@ -253,3 +256,18 @@ def load_plugins(modules) -> list[str]:
     except Exception as e:  # Any failure inside a user's module is reported the same way.
       raise PluginError(f"plugin {module!r} could not be imported: {type(e).__name__}: {e}") from e
   return sorted(set(_REGISTRY) - before)
+
+
+def relevant_budget(budget, attacks) -> dict[str, Any]:
+  """The fields of `budget` that at least one of `attacks` (names) declares: what a caller
+  holding one budget for many attacks passes to a replay of some of them."""
+  read = {f for name in attacks for f in get(name).spec.budget_fields}
+  return {k: v for k, v in budget_lib.as_dict(budget).items() if k in read}
+
+
+def budget_config(names=None) -> ml_collections.ConfigDict:
+  """A ConfigDict of the declared budget fields' defaults (all of them, or `names`), after
+  the built-in attacks have declared theirs."""
+  load_builtin()
+  chosen = sorted(budget_lib.fields()) if names is None else list(names)
+  return ml_collections.ConfigDict({n: budget_lib.get(n).default for n in chosen})

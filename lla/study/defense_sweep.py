@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from lla import defenses
 from lla.attacks import budget as budget_lib
-from lla.attacks import memory, registry, replay
+from lla.attacks import memory, registry
+from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
 from lla.evidence import files
@@ -165,12 +166,12 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                     memory_budget_bytes=memory.chunk_budget_bytes(
                         int(config.memory_budget_mb) << 20)[0])
       replay.replay(str(study), str(directory), attacker, attacks,
-                    budget_lib.relevant(config.budget, attacks), int(seed), **common)
+                    registry.relevant_budget(config.budget, attacks), int(seed), **common)
       if baselines:
         # The attacker's own randomness: its attack seed, recorded in E.K.
         mimic = {"name": name, "params": record["params"], "attacker_seed": int(seed)}
         replay.replay(str(study), str(directory), attacker, baselines,
-                      budget_lib.relevant(config.budget, baselines), int(seed),
+                      registry.relevant_budget(config.budget, baselines), int(seed),
                       calibration_defense=mimic, **common)
     key = f"{label}/m{target.model_seed}"
     if key not in costs:

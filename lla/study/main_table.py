@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from lla import data
 from lla.attacks import budget as budget_lib
-from lla.attacks import memory, registry, replay
+from lla.attacks import memory, registry
+from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
 from lla.evidence import files, rundir
@@ -147,7 +148,7 @@ def attack_targets(config, study: pathlib.Path, targets: list[Target], captures:
     primary = target.cut == int(config.primary_cut) and target.knowledge == "public"
     attacks = list(config.attacks if primary else config.secondary_attacks)
     replay.replay(str(study), str(captures[target.name]), target.attacker(calibration), attacks,
-                  budget_lib.relevant(config.budget, attacks), int(seed),
+                  registry.relevant_budget(config.budget, attacks), int(seed),
                   run_prefix=f"{target.name}/s{seed}/", model_seed=target.model_seed,
                   memory_budget_bytes=chunk_budget)
 
@@ -178,7 +179,7 @@ def published_attacks(config, workdir: pathlib.Path, study: pathlib.Path, target
   chunk_budget, _ = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
   for seed in config.attack_seeds:
     replay.replay(str(study), str(directory), target.attacker(calibration), attacks,
-                  budget_lib.relevant(config.budget, attacks), int(seed),
+                  registry.relevant_budget(config.budget, attacks), int(seed),
                   run_prefix=f"published/{target.name}/s{seed}/", model_seed=target.model_seed,
                   memory_budget_bytes=chunk_budget)
 
@@ -231,7 +232,7 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"],
-                  budget_lib.relevant(config.budget, ["ridge"]), 0,
+                  registry.relevant_budget(config.budget, ["ridge"]), 0,
                   run_prefix=f"corpus_{corpus}/", memory_budget_bytes=memory.chunk_budget_bytes(
                       int(config.memory_budget_mb) << 20)[0])
 

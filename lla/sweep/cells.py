@@ -131,7 +131,7 @@ def expand(config: ml_collections.ConfigDict) -> list[Cell]:
       # The base budget is shared by every cell (e.g. a job's whole budget): each cell keeps
       # the fields its attacks read. A grid axis is never dropped, so `check` refuses one
       # that none of the cell's attacks reads.
-      read = set(budget_lib.relevant(config_dict["budget"], freeze(config_dict)["attacks"]))
+      read = set(registry.relevant_budget(config_dict["budget"], freeze(config_dict)["attacks"]))
       config_dict["budget"] = {k: v for k, v in config_dict["budget"].items()
                                if k in read or k in gridded}
       frozen = freeze(config_dict)

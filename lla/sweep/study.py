@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from lla.attacks import replay
+from lla.replay import driver as replay
 from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
 from lla.scoring.policy import load_policy

@@ -26,7 +26,8 @@ import numpy as np
 
 from lla import data as data_lib
 from lla import defenses
-from lla.attacks import registry, replay
+from lla.attacks import registry
+from lla.replay import driver as replay
 from lla.attacks.workspace import document_mesh
 from lla.capture import capture as capture_lib
 from lla.capture import store

@@ -20,7 +20,8 @@ import numpy as np
 
 from lla.attacks import budget as budget_lib
 from lla import provenance as provenance_lib
-from lla.attacks import registry, replay
+from lla.attacks import registry
+from lla.replay import driver as replay
 from lla.attacks.workspace import Workspace
 from lla.capture import store
 from lla.defenses import aware

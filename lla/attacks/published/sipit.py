@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import vocab_topk
-from lla.attacks import beam
+from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks import ridge

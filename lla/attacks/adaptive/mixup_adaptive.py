@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lla.attacks import adaptive
+from lla.attacks.adaptive import common as adaptive
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
-from lla.attacks.projection_adaptive import first_rows
+from lla.attacks.adaptive.projection_adaptive import first_rows
 from lla.attacks.workspace import Workspace
 from lla.model import split
 

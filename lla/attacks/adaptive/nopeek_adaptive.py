@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lla.attacks import adaptive
+from lla.attacks.adaptive import common as adaptive
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace

@@ -40,7 +40,7 @@ import optax
 
 from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
-from lla.attacks import gradmatch
+from lla.attacks.published import gradmatch
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.model.gpt2 import GPT2, GPT2Config

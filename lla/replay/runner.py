@@ -6,7 +6,8 @@ from absl import logging
 import ml_collections
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import memory, registry, replay
+from lla.attacks import memory, registry
+from lla.replay import driver as replay
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
 from lla.model.loading import load_model

@@ -280,7 +280,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   """
   if not dist.is_leader():
     raise RuntimeError(f"process {dist.process_index()}: replay runs on process 0 of a job "
-                       "across processes; the others serve it with lla.attacks.replay.follow")
+                       "across processes; the others serve it with lla.replay.driver.follow")
   plan = prepare(capture_dir, attacker, attacks, budget, seed, calibration_defense)
   capture, specs, e = plan.capture, plan.specs, plan.e
   for spec in specs:

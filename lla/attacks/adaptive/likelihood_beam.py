@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lla.attacks import adaptive
-from lla.attacks import beam
+from lla.attacks.adaptive import common as adaptive
+from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import registry, ridge

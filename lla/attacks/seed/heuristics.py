@@ -8,7 +8,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from lla.attacks import registry
+from lla.attacks import memory, registry
 from lla.attacks.workspace import Workspace
 
 
@@ -49,3 +49,21 @@ for _name, _positions in (("gradient_only", "all"), ("gradient_only_t1", "t>=1")
           needs_weights=False, budget_fields=("c_a", "c_g"), scored_positions=_positions,
           description=f"argmax of the previous position's negative gradient, scored on {_positions}"),
       _gradient_only))
+
+
+def _ridge_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  del cut, num_docs  # The ranking's working set is per document.
+  return [("activation_candidates", memory.ranking_bytes_per_doc(
+      seq_len, cfg.vocab_size, cfg.n_embd, int(budget["candidates"]), materialised))]
+
+
+def _gradient_only_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  del cut, num_docs
+  num = int(budget["c_a"]) + int(budget["c_g"])
+  return [("gradient_ranking", memory.ranking_bytes_per_doc(
+      seq_len, cfg.vocab_size, cfg.n_embd, num, materialised))]
+
+
+memory.declare_stages("ridge", _ridge_stages)
+memory.declare_stages("gradient_only", _gradient_only_stages)
+memory.declare_stages("gradient_only_t1", _gradient_only_stages)

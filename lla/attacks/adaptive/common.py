@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lla.attacks import beam
-from lla.attacks import beam_attacks
+from lla.attacks.seed import beam
+from lla.attacks.seed import beam_attacks
 from lla.attacks import candidates as cand_lib
 from lla.attacks import ridge
 from lla.attacks.workspace import Workspace

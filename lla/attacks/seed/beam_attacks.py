@@ -6,12 +6,13 @@ They differ only in the candidate set handed to the same beam search (PROTOCOL s
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Callable
 
 import jax
 import numpy as np
 
-from lla.attacks import beam
+from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
@@ -171,3 +172,48 @@ for _plain in ("activation", "joint"):
           description=_attack.spec.description
           + "; ridge fitted on defended calibration activations"),
       _attack.candidates_of))
+
+
+def _ranking(cfg, seq_len, num, materialised):
+  return memory.ranking_bytes_per_doc(seq_len, cfg.vocab_size, cfg.n_embd, num, materialised)
+
+
+def _searched(cfg, cut, seq_len, budget, num):
+  return memory.beam_bytes_per_doc(cfg.n_embd, cut, seq_len, int(budget["beam_width"]), num)
+
+
+def _activation_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  del num_docs
+  c = int(budget["candidates"])
+  return [("activation_candidates", _ranking(cfg, seq_len, c, materialised)),
+          ("beam_search", _searched(cfg, cut, seq_len, budget, c))]
+
+
+def _flop_matched_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  shape = types.SimpleNamespace(cfg=cfg, cut=cut, num_docs=num_docs, seq_len=seq_len)
+  c = flop_matched_budget(shape, types.SimpleNamespace(**budget))
+  return [("activation_candidates", _ranking(cfg, seq_len, c, materialised)),
+          ("beam_search", _searched(cfg, cut, seq_len, budget, c))]
+
+
+def _joint_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  del num_docs
+  c = int(budget["c_a"]) + int(budget["c_g"])
+  return [("activation_candidates", _ranking(cfg, seq_len, c, materialised)),
+          ("gradient_ranking", _ranking(cfg, seq_len, c, materialised)),
+          ("beam_search", _searched(cfg, cut, seq_len, budget, c))]
+
+
+def _random_stages(cfg, cut, num_docs, seq_len, budget, materialised):
+  del num_docs
+  c = int(budget["c_a"]) + int(budget["c_g"])
+  return [("activation_candidates", _ranking(cfg, seq_len, c, materialised)),
+          ("random_fill", memory.random_fill_bytes_per_doc(seq_len, cfg.vocab_size)),
+          ("beam_search", _searched(cfg, cut, seq_len, budget, c))]
+
+
+memory.declare_stages("activation", _activation_stages)
+memory.declare_stages("activation_flop_matched", _flop_matched_stages)
+memory.declare_stages("joint", _joint_stages)
+memory.declare_stages("shuffled_gradients", _joint_stages)
+memory.declare_stages("random_candidates", _random_stages)

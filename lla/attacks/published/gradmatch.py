@@ -49,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lla.attacks import bisr_f
+from lla.attacks.published import bisr_f
 from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
 from lla.attacks import registry
-from lla.attacks import sip
+from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
 from lla.model import split
 

@@ -31,7 +31,8 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
-from lla.attacks import optimise, registry, sip
+from lla.attacks import optimise, registry
+from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
