@@ -37,7 +37,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from lla.model import hf_io
+from lla.model import decoder, hf_io
+from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config, init_params
 
 FORMAT = "lla-checkpoint.v1"
@@ -91,8 +92,21 @@ def _file_sha256(path: pathlib.Path) -> str:
   return digest.hexdigest()
 
 
-def config_to_json(cfg: GPT2Config) -> dict:
+def config_to_json(cfg: GPT2Config | DecoderConfig) -> dict:
+  """The config's fields. A RoPE family's carry `family`; GPT-2's are unchanged (no family)."""
   return dataclasses.asdict(cfg)
+
+
+def config_from_json(fields: dict) -> GPT2Config | DecoderConfig:
+  if "family" in fields:
+    return DecoderConfig(**fields)
+  return GPT2Config(**fields)
+
+
+def _init_params(cfg: GPT2Config | DecoderConfig, key):
+  if isinstance(cfg, DecoderConfig):
+    return decoder.init_params(cfg, key)
+  return init_params(cfg, key)
 
 
 def _checkpointer() -> ocp.StandardCheckpointer:
@@ -126,6 +140,8 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
   partial.mkdir()
   params = jax.device_get(params)
   full_metadata = {**(metadata or {}), "format": FORMAT, "params_sha256": params_sha256(params)}
+  if isinstance(cfg, DecoderConfig):  # GPT-2 metadata stays as it was (family implicit)
+    full_metadata.setdefault("family", cfg.family)
   with _checkpointer() as checkpointer:
     checkpointer.save(partial / PARAMS_DIR, params)
   (partial / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2, sort_keys=True) + "\n")
@@ -146,12 +162,12 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
       raise CheckpointError(f"{directory}: incomplete checkpoint, {name} is missing")
   try:
     metadata = json.loads((directory / METADATA_FILE).read_text())
-    cfg = GPT2Config(**json.loads((directory / CONFIG_FILE).read_text()))
-  except (json.JSONDecodeError, TypeError) as e:
+    cfg = config_from_json(json.loads((directory / CONFIG_FILE).read_text()))
+  except (json.JSONDecodeError, TypeError, ValueError) as e:
     raise CheckpointError(f"{directory}: unreadable metadata or config ({e})") from None
   if metadata.get("format") != FORMAT:
     raise CheckpointError(f"{directory}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-  target = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  target = jax.eval_shape(lambda: _init_params(cfg, jax.random.key(0)))
   try:
     with _checkpointer() as checkpointer:
       params = checkpointer.restore(directory / PARAMS_DIR, target)

@@ -53,6 +53,19 @@ class GPT2Config:
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
+  # The family vocabulary of `lla.model.decoder.DecoderConfig`, read-only: GPT-2 is the
+  # "gpt2" family (learned positions, LayerNorm, gelu MLP 4d, all biases, tied head). They are
+  # properties, not fields, so config.json files and checkpoint hashes are unchanged.
+  family = property(lambda self: "gpt2")
+  n_kv_head = property(lambda self: self.n_head)
+  d_ff = property(lambda self: 4 * self.n_embd)
+  norm = property(lambda self: "layernorm")
+  norm_eps = property(lambda self: self.layer_norm_epsilon)
+  mlp = property(lambda self: "gelu")
+  positions = property(lambda self: "learned")
+  tie_embeddings = property(lambda self: True)
+  embed_scale = property(lambda self: 1.0)
+
   def replace(self, **changes) -> "GPT2Config":
     return dataclasses.replace(self, **changes)
 

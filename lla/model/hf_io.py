@@ -1,9 +1,11 @@
-"""Hugging Face `save_pretrained` directories <-> lla GPT-2 parameters.
+"""Hugging Face `save_pretrained` directories <-> lla parameters.
 
 Reads `config.json` plus `model.safetensors` (or sharded safetensors with
-`model.safetensors.index.json`); writes a directory that
-`transformers.GPT2LMHeadModel.from_pretrained` loads with identical logits. Pickled
-`pytorch_model.bin` checkpoints are refused, never unpickled.
+`model.safetensors.index.json`); writes a directory that transformers' `from_pretrained`
+loads with identical logits. Pickled `pytorch_model.bin` checkpoints are refused, never
+unpickled. `model_type` "gpt2" loads into `GPT2Config` / `lla.model.gpt2` (unchanged); llama,
+mistral, qwen2, qwen3 and gemma load into `DecoderConfig` / `lla.model.decoder`
+(`lla.model.families` reads their config.json in either rope spelling and names the tensors).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from lla.model import families
+from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
 
 CONFIG_FILE = "config.json"
@@ -31,13 +35,26 @@ class CheckpointError(ValueError):
   """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
-def _config_from_hf(path: pathlib.Path) -> GPT2Config:
+def _read_config(path: pathlib.Path) -> dict:
   try:
-    raw = json.loads(path.read_text())
+    return json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-  if raw.get("model_type", "gpt2") != "gpt2":
-    raise CheckpointError(f"{path}: model_type is {raw.get('model_type')!r}, lla loads 'gpt2'")
+
+
+def _config_from_hf(path: pathlib.Path, raw: dict | None = None) -> GPT2Config | DecoderConfig:
+  raw = _read_config(path) if raw is None else raw
+  model_type = raw.get("model_type", "gpt2")
+  if model_type in families.MODEL_TYPES:
+    try:
+      return families.config_from_hf(raw)
+    except families.UnsupportedField as e:
+      raise CheckpointError(f"{path}: {e}") from None
+    except KeyError as e:
+      raise CheckpointError(f"{path}: missing field {e.args[0]!r}") from None
+  if model_type != "gpt2":
+    raise CheckpointError(f"{path}: model_type is {raw.get('model_type')!r}, lla loads 'gpt2' "
+                          f"and {', '.join(repr(m) for m in families.MODEL_TYPES)}")
   activation = raw.get("activation_function", "gelu_new")
   if activation != "gelu_new":
     raise CheckpointError(f"{path}: activation_function {activation!r} is unsupported (gelu_new only)")
@@ -80,11 +97,23 @@ def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
   raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}")
 
 
+def _load_safetensors(f: pathlib.Path) -> dict[str, np.ndarray]:
+  """numpy arrays of a safetensors file; bfloat16 tensors (numpy has no such dtype, and most
+  released Llama / Qwen / Gemma checkpoints are bf16) are read through JAX and widened to
+  float32, which is exact."""
+  try:
+    return load_file(str(f))
+  except TypeError:
+    from safetensors.flax import load_file as load_jax
+    return {name: np.asarray(value.astype(jax.numpy.float32)) if value.dtype == jax.numpy.bfloat16
+            else np.asarray(value) for name, value in load_jax(str(f)).items()}
+
+
 def _read_tensors(files: list[pathlib.Path]) -> dict[str, np.ndarray]:
   tensors = {}
   for f in files:
     try:
-      loaded = load_file(str(f))
+      loaded = _load_safetensors(f)
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"{f}: unreadable safetensors file, truncated or corrupt ({e})") from None
     for name, value in loaded.items():
@@ -136,6 +165,11 @@ def load_hf_dir(directory: str | os.PathLike) -> tuple[dict, GPT2Config]:
   files = _weight_files(directory)
   tensors = _read_tensors(files)
   where = files[0].name if len(files) == 1 else f"{INDEX_FILE} shards"
+  if isinstance(cfg, DecoderConfig):
+    try:
+      return families.params_from_tensors(tensors, cfg, str(directory / where)), cfg
+    except ValueError as e:
+      raise CheckpointError(str(e)) from None
   head = tensors.pop("lm_head.weight", None)
   expected = _expected_shapes(cfg)
   missing = sorted(set(expected) - set(tensors))
@@ -167,6 +201,8 @@ def save_hf_dir(params, cfg: GPT2Config, directory: str | os.PathLike) -> pathli
   """Writes params as a `save_pretrained` directory (config.json + model.safetensors)."""
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
+  if isinstance(cfg, DecoderConfig):
+    return _save_decoder_dir(params, cfg, directory)
   tensors = {}
   for name in _expected_shapes(cfg):
     node = params
@@ -183,6 +219,19 @@ def save_hf_dir(params, cfg: GPT2Config, directory: str | os.PathLike) -> pathli
       # GPT-2's <|endoftext|> is its last token (50256); a small test vocabulary has no 50256.
       "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
   }
+  tmp = directory / (WEIGHTS_FILE + ".tmp")
+  save_file(tensors, str(tmp), metadata={"format": "pt"})
+  os.replace(tmp, directory / WEIGHTS_FILE)
+  (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+  return directory
+
+
+def _save_decoder_dir(params, cfg: DecoderConfig, directory: pathlib.Path,
+                     bos_token_id: int | None = None,
+                     eos_token_id: int | None = None) -> pathlib.Path:
+  families.check_supported(cfg)
+  tensors = families.tensors_from_params(params, cfg)
+  config = families.to_hf_config(cfg, bos_token_id, eos_token_id)
   tmp = directory / (WEIGHTS_FILE + ".tmp")
   save_file(tensors, str(tmp), metadata={"format": "pt"})
   os.replace(tmp, directory / WEIGHTS_FILE)

@@ -6,6 +6,10 @@ The client holds tokens `x [B, T]` and sends the forward message
 `g = dL/dh` for the mean next-token cross-entropy over all `B * (T - 1)` positions.
 
 `cfg` (hashable) and the cut `k` are static arguments: each (model, cut) compiles once.
+`cfg` is a `GPT2Config` or, for the RoPE families (llama, mistral, qwen2, qwen3, gemma), a
+`lla.model.decoder.DecoderConfig`: there the client is `blocks[0..k-1](embed_tokens[x] *
+embed_scale)` with positions applied inside attention, and the head may be untied
+(`output_table`).
 """
 
 from __future__ import annotations
@@ -16,33 +20,67 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lla.model.decoder import Decoder, DecoderConfig
 from lla.model.gpt2 import GPT2, GPT2Config
 
+ModelConfig = GPT2Config | DecoderConfig
 
-def _check_cut(cfg: GPT2Config, k: int) -> None:
+
+def module(cfg: ModelConfig):
+  """The Flax module of a config: `GPT2` for `GPT2Config`, `Decoder` for the RoPE families.
+
+  Both have the entry points `embed`, `blocks(x, start, stop)`, `ln_f`, `head`, `blocks_step`.
+  """
+  if isinstance(cfg, DecoderConfig):
+    return Decoder(cfg)
+  return GPT2(cfg)
+
+
+def _check_cut(cfg: ModelConfig, k: int) -> None:
   if not 1 <= k < cfg.n_layer:
     raise ValueError(f"cut k={k} must satisfy 1 <= k < n_layer={cfg.n_layer}")
 
 
+def input_table(params) -> jax.Array:
+  """The input token embedding table `[V, d]` (GPT-2's `wte`, the RoPE families'
+  `embed_tokens`), unscaled: Gemma multiplies it by `cfg.embed_scale` on input.
+
+  Ridge targets, nearest-row decoding and relaxed one-hot inputs read this table."""
+  if "wte" in params:
+    return params["wte"]["embedding"]
+  return params["embed_tokens"]["embedding"]
+
+
+def output_table(params) -> jax.Array:
+  """The output head `[V, d]`: logits = final_norm(x) @ output_table^T. Equal to
+  `input_table` when the head is tied (GPT-2, most small models), `lm_head` otherwise.
+
+  Gradient-ranked candidates and the downstream linearisation read this table."""
+  if "lm_head" in params:
+    return params["lm_head"]
+  return input_table(params)
+
+
 def wte(params) -> jax.Array:
-  """The token embedding matrix `[V, d]` (also the tied output head)."""
-  return params["wte"]["embedding"]
+  """The token embedding matrix `[V, d]`; for GPT-2 also the tied output head.
+  Kept for existing callers: it is `input_table`."""
+  return input_table(params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def client(params, cfg: GPT2Config, tokens: jax.Array, k: int) -> jax.Array:
+def client(params, cfg: ModelConfig, tokens: jax.Array, k: int) -> jax.Array:
   """Forward message: tokens [B, T] int -> h [B, T, d] float32."""
   _check_cut(cfg, k)
-  model = GPT2(cfg)
-  x = model.apply({"params": params}, tokens, method=GPT2.embed)
-  h = model.apply({"params": params}, x, 0, k, method=GPT2.blocks)
+  model = module(cfg)
+  x = model.apply({"params": params}, tokens, method="embed")
+  h = model.apply({"params": params}, x, 0, k, method="blocks")
   return h.astype(jnp.float32)
 
 
-def _server_logits(params, cfg: GPT2Config, h: jax.Array, k: int) -> jax.Array:
-  model = GPT2(cfg)
-  x = model.apply({"params": params}, h, k, cfg.n_layer, method=GPT2.blocks)
-  return model.apply({"params": params}, x, method=GPT2.head)
+def _server_logits(params, cfg: ModelConfig, h: jax.Array, k: int) -> jax.Array:
+  model = module(cfg)
+  x = model.apply({"params": params}, h, k, cfg.n_layer, method="blocks")
+  return model.apply({"params": params}, x, method="head")
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -52,7 +90,7 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def server_loss(params, cfg: GPT2Config, h: jax.Array, tokens: jax.Array, k: int):
+def server_loss(params, cfg: ModelConfig, h: jax.Array, tokens: jax.Array, k: int):
   """Server side: h [B, T, d], tokens [B, T] -> (loss scalar, logits [B, T, V])."""
   _check_cut(cfg, k)
   logits = _server_logits(params, cfg, h, k)
@@ -60,7 +98,7 @@ def server_loss(params, cfg: GPT2Config, h: jax.Array, tokens: jax.Array, k: int
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def boundary_messages(params, cfg: GPT2Config, tokens: jax.Array, k: int):
+def boundary_messages(params, cfg: ModelConfig, tokens: jax.Array, k: int):
   """Both messages of one training step: (h [B, T, d], g = dL/dh [B, T, d]).
 
   One forward through the client, one forward + VJP through the server.
@@ -72,23 +110,23 @@ def boundary_messages(params, cfg: GPT2Config, tokens: jax.Array, k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def logits(params, cfg: GPT2Config, tokens: jax.Array) -> jax.Array:
+def logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
   """The whole model: tokens [B, T] -> logits [B, T, V]."""
-  return GPT2(cfg).apply({"params": params}, tokens)
+  return module(cfg).apply({"params": params}, tokens)
 
 
-def lm_loss(params, cfg: GPT2Config, tokens: jax.Array) -> jax.Array:
+def lm_loss(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
   """Mean next-token CE of the whole model (differentiable; jit at the caller)."""
-  return next_token_loss(GPT2(cfg).apply({"params": params}, tokens), tokens)
+  return next_token_loss(module(cfg).apply({"params": params}, tokens), tokens)
 
 
-def hidden_states(params, cfg: GPT2Config, tokens: jax.Array) -> list[jax.Array]:
+def hidden_states(params, cfg: ModelConfig, tokens: jax.Array) -> list[jax.Array]:
   """HF's `output_hidden_states`: embeddings, each block's output, and ln_f of the last."""
-  model = GPT2(cfg)
-  x = model.apply({"params": params}, tokens, method=GPT2.embed)
+  model = module(cfg)
+  x = model.apply({"params": params}, tokens, method="embed")
   states = [x]
   for i in range(cfg.n_layer):
-    x = model.apply({"params": params}, x, i, i + 1, method=GPT2.blocks)
+    x = model.apply({"params": params}, x, i, i + 1, method="blocks")
     states.append(x)
   ln_f = lambda m, y: m.ln_f(y)
   states[-1] = model.apply({"params": params}, x, method=ln_f)
@@ -98,12 +136,13 @@ def hidden_states(params, cfg: GPT2Config, tokens: jax.Array) -> list[jax.Array]
 # --- KV-cached incremental client -------------------------------------------------------
 
 
-def init_cache(cfg: GPT2Config, k: int, max_len: int) -> jax.Array:
-  """An empty client cache for one sequence: [k, 2, max_len, H, D] float32."""
-  return jnp.zeros((k, 2, max_len, cfg.n_head, cfg.head_dim), jnp.float32)
+def init_cache(cfg: ModelConfig, k: int, max_len: int) -> jax.Array:
+  """An empty client cache for one sequence: [k, 2, max_len, H_kv, D] float32 (H_kv = H for
+  GPT-2; fewer with GQA)."""
+  return jnp.zeros((k, 2, max_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
 
 
-def client_step_kv(params, cfg: GPT2Config, cache: jax.Array, token_t: jax.Array,
+def client_step_kv(params, cfg: ModelConfig, cache: jax.Array, token_t: jax.Array,
                    t: jax.Array):
   """Client output at position t without writing the cache.
 
@@ -118,22 +157,25 @@ def client_step_kv(params, cfg: GPT2Config, cache: jax.Array, token_t: jax.Array
     prefix cache: returning only the new row avoids materialising a cache per candidate;
     `write_cache` commits the rows of the survivors.
   """
-  model = GPT2(cfg)
-  x_t = model.apply({"params": params}, token_t[None], t, method=GPT2.embed)[0]
+  model = module(cfg)
+  x_t = model.apply({"params": params}, token_t[None], t, method="embed")[0]
   h_t, kv_t = model.apply({"params": params}, x_t, cache, t, 0, cache.shape[0],
-                          method=GPT2.blocks_step)
+                          method="blocks_step")
   return h_t.astype(jnp.float32), kv_t
 
 
-def client_step_embedding(params, cfg: GPT2Config, cache: jax.Array, e_t: jax.Array,
+def client_step_embedding(params, cfg: ModelConfig, cache: jax.Array, e_t: jax.Array,
                           t: jax.Array):
   """`client_step_kv` from a continuous input embedding e_t [d] in place of wte[token_t].
 
   Differentiable in e_t: SipIt's gradient policy descends on it.
   """
-  x_t = e_t + jnp.asarray(params["wpe"]["embedding"])[t]
-  h_t, kv_t = GPT2(cfg).apply({"params": params}, x_t, cache, t, 0, cache.shape[0],
-                              method=GPT2.blocks_step)
+  if isinstance(cfg, DecoderConfig):  # RoPE: the position enters in the blocks
+    x_t = e_t * jnp.float32(cfg.embed_scale) if cfg.embed_scale != 1.0 else e_t
+  else:
+    x_t = e_t + jnp.asarray(params["wpe"]["embedding"])[t]
+  h_t, kv_t = module(cfg).apply({"params": params}, x_t, cache, t, 0, cache.shape[0],
+                              method="blocks_step")
   return h_t.astype(jnp.float32), kv_t
 
 
@@ -142,7 +184,7 @@ def write_cache(cache: jax.Array, kv_t: jax.Array, t: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice_in_dim(cache, kv_t[:, :, None].astype(cache.dtype), t, axis=2)
 
 
-def client_step(params, cfg: GPT2Config, cache: jax.Array, token_t: jax.Array, t: jax.Array):
+def client_step(params, cfg: ModelConfig, cache: jax.Array, token_t: jax.Array, t: jax.Array):
   """KV-cached client: (h_t [d], cache with position t written). Batch it with vmap."""
   h_t, kv_t = client_step_kv(params, cfg, cache, token_t, t)
   return h_t, write_cache(cache, kv_t, t)

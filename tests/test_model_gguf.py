@@ -1,0 +1,172 @@
+"""GGUF loading (`lla.model.gguf_io`) against transformers' own GGUF loader on the same file.
+
+A random tiny Llama (GQA, untied head) and Qwen2 (q/k/v biases, tied) are written as GGUF files
+the way llama.cpp's converter does (llama: q/k rows permuted to the interleaved RoPE layout),
+with the large matrices quantised to Q8_0 / Q4_1. lla dequantises and un-permutes them with the
+`gguf` package; transformers (`from_pretrained(dir, gguf_file=...)`, eager attention) does its
+own dequantisation. h, g and the logits must agree to 1e-5 relative (and the HF directory lla
+exports from the GGUF loads in transformers with the same logits): both sides see the same
+dequantised weights, so quantisation error does not enter the comparison.
+"""
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from lla.model import gguf_io, split
+
+transformers.logging.set_verbosity_error()
+
+B, T, V = 2, 16, 96
+RTOL = 1e-5
+TOKENS = np.random.default_rng(0).integers(0, V, (B, T), dtype=np.int32)
+
+CASES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=100000.0)), gguf.GGMLQuantizationType.Q4_1),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6)), gguf.GGMLQuantizationType.Q8_0),
+}
+
+
+def assert_close(actual, reference, rtol, what=""):
+  actual, reference = np.asarray(actual, np.float64), np.asarray(reference, np.float64)
+  assert actual.shape == reference.shape, (what, actual.shape, reference.shape)
+  err, scale = np.max(np.abs(actual - reference)), np.max(np.abs(reference))
+  assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: half-split -> interleaved rows."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
+
+
+def write_gguf(model, arch: str, qtype, path):
+  cfg = model.config
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_name(f"tiny-random-{arch}")
+  writer.add_block_count(cfg.num_hidden_layers)
+  writer.add_context_length(cfg.max_position_embeddings)
+  writer.add_embedding_length(cfg.hidden_size)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(cfg.num_attention_heads)
+  writer.add_head_count_kv(cfg.num_key_value_heads)
+  writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+  writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+  writer.add_vocab_size(V)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("default")
+  tokens = [chr(0x100 + i) for i in range(V)]
+  writer.add_token_list(tokens)
+  writer.add_token_types([1] * V)
+  writer.add_token_merges([])
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_add_bos_token(False)
+  for name, tensor in model.state_dict().items():
+    w = tensor.numpy().astype(np.float32)
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+      continue
+    if name.startswith("model.layers."):
+      _, _, i, rest = name.split(".", 3)
+      out = f"blk.{i}.{_NAMES[rest]}"
+    else:
+      out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}[name]
+    if arch == "llama" and ".attn_q." in out:
+      w = _permute(w, cfg.num_attention_heads)
+    if arch == "llama" and ".attn_k." in out:
+      w = _permute(w, cfg.num_key_value_heads)
+    if w.ndim == 2 and w.shape[1] % 32 == 0:
+      writer.add_tensor(out, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    else:
+      writer.add_tensor(out, w)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def hf_boundary(model, tokens: torch.Tensor, k: int):
+  leaf = {}
+
+  def cut(module, inputs, output):
+    hidden = output[0] if isinstance(output, tuple) else output
+    leaf["h"] = hidden.detach().requires_grad_()
+    return (leaf["h"], *output[1:]) if isinstance(output, tuple) else leaf["h"]
+
+  handle = model.model.layers[k - 1].register_forward_hook(cut)
+  try:
+    loss = model(tokens, labels=tokens).loss
+  finally:
+    handle.remove()
+  loss.backward()
+  return leaf["h"].detach().numpy(), leaf["h"].grad.numpy()
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
+  config_cls, model_cls, extra, qtype = CASES[arch]
+  torch.manual_seed(0)
+  source = model_cls(config_cls(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=3, max_position_embeddings=64,
+                                rms_norm_eps=1e-5, **extra)).eval()
+  with torch.no_grad():
+    for p in source.parameters():
+      if p.ndim == 1:
+        p.add_(0.1 * torch.randn_like(p))
+  write_gguf(source, arch, qtype, tmp_path / "model.gguf")
+
+  params, cfg, info = gguf_io.load_gguf(tmp_path / "model.gguf")
+  assert info["family"] == arch and info["format"] == "gguf"
+  assert qtype.name in info["dequantisation"], info
+  assert cfg.tie_embeddings == (arch == "qwen2") and cfg.qkv_bias == (arch == "qwen2")
+  import ml_collections
+
+  from lla.model import loading
+  loaded = loading.load_model(ml_collections.ConfigDict({"gguf": str(tmp_path / "model.gguf")}))
+  assert loaded.info["format"] == "gguf" and loaded.info["family"] == arch
+  assert loaded.model_id == loading.checkpoint.params_sha256(params)
+
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, gguf_file="model.gguf", attn_implementation="eager", dtype=torch.float32).eval()
+  reference.requires_grad_(False)
+  tokens_pt = torch.from_numpy(TOKENS).long()
+  with torch.no_grad():
+    logits_ref = reference(tokens_pt).logits.numpy()
+  assert_close(split.logits(params, cfg, jnp.asarray(TOKENS)), logits_ref, RTOL, "logits")
+  k = 2
+  h_ref, g_ref = hf_boundary(reference, tokens_pt, k)
+  h, g = split.boundary_messages(params, cfg, jnp.asarray(TOKENS), k)
+  assert_close(h, h_ref, RTOL, "h")
+  assert_close(g, g_ref, RTOL, "g")
+  # Export to an HF directory: transformers' plain loader reads the dequantised weights.
+  from lla.model import hf_io
+  hf_io.save_hf_dir(params, cfg, tmp_path / "exported")
+  exported = model_cls.from_pretrained(tmp_path / "exported", attn_implementation="eager").eval()
+  with torch.no_grad():
+    assert_close(exported(tokens_pt).logits.numpy(), logits_ref, RTOL, "exported logits")
+  # Quantisation changed the weights, but not by much: the dequantised model is close to the
+  # float source (a wrong permutation or transpose would not be).
+  with torch.no_grad():
+    logits_src = source(tokens_pt).logits.numpy()
+  assert np.max(np.abs(logits_ref - logits_src)) < 0.2 * np.max(np.abs(logits_src))
+
+
+def test_gguf_refusals(tmp_path):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"not a gguf file at all")
+  with pytest.raises(gguf_io.GGUFError) as info:
+    gguf_io.load_gguf(bad)
+  assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
+  with pytest.raises(gguf_io.GGUFError, match="does not exist"):
+    gguf_io.load_gguf(tmp_path / "missing.gguf")
