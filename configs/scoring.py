@@ -26,9 +26,11 @@ def get_config(arg=None):
                              "gradient_matching", "embedding_inversion",
                              "learned_inversion", "sequential_inversion",
                              "decoy_structural", "decoy_content")
-  # Observation sets, '+'-joined and sorted, as a module declares them.
-  c.threat_space.observations = ("activations", "gradients",
-                                 "activations+gradients")
+  # Observation sets, '+'-joined and sorted, as a module declares them: a split LLM's h
+  # and g, and the decoy-row split's frames and returned gradient rows (kinds of their own).
+  split_llm = ("activations", "gradients", "activations+gradients")
+  decoy_frames = ("decoy_forward", "decoy_gradients", "decoy_forward+decoy_gradients")
+  c.threat_space.observations = split_llm + decoy_frames
   # Attacker knowledge of the client weights (PROTOCOL section 1).
   c.threat_space.knowledge = ("public", "trained")
   # Defenses, "none" being the undefended reference.
@@ -50,7 +52,19 @@ def get_config(arg=None):
       {"family": family, "defense": defense,
        "reason": "decoy-row attacks read the frames of the decoy-row split only"}
       for family in ("decoy_structural", "decoy_content")
-      for defense in c.threat_space.defenses if defense != "decoy_rows")
+      for defense in c.threat_space.defenses if defense != "decoy_rows") + tuple(
+      {"observation": observation, "defense": "decoy_rows",
+       "reason": "the decoy-row split sends frames of rows, not a split LLM's h or g"}
+      for observation in split_llm) + tuple(
+      {"observation": observation, "defense": defense,
+       "reason": "decoy-row frames exist only in the decoy-row split"}
+      for observation in decoy_frames
+      for defense in c.threat_space.defenses if defense != "decoy_rows") + tuple(
+      {"family": family, "observation": observation,
+       "reason": "no module of this family reads decoy-row frames"}
+      for family in c.threat_space.families
+      if family not in ("decoy_structural", "decoy_content")
+      for observation in decoy_frames)
   # Threat classes outside the grid, listed as unmeasured until measured.
   c.threat_space.declared_unmeasured = coverage.PROTOCOL_DECLARED_UNMEASURED
   # Secondary (treatment, control) contrasts at the primary test's cut and

@@ -11,11 +11,14 @@ Run (from the repository root, after the main job has fine-tuned its targets in 
 Variants (`:ARG`):
   cpu           k in {3, 6} x C in {8, 16, 32} x 2 seeds, three beam-search attacks on the
                 embedded target, 16 documents: 12 cells in 4 groups, for 2 CPU cores.
-  frontier      every registered attack family at 3 or more budgets at the primary setting
-                (k = 6, public knowledge, undefended), the budgets of `FRONTIER_KNOBS`
-                ("paper" levels, 256 documents: for accelerators); then the FLOP-matched
-                report (lla.sweep.frontier) in WORKDIR/frontier.
-  frontier_cpu  the same at the "cpu" levels on 16 documents (2 CPU cores).
+  frontier      every registered attack family at the primary setting (k = 6, public
+                knowledge, undefended), each attack placed at the "paper" FLOP levels of
+                `FRONTIER_LEVELS` (per document) by its FLOP model along its ladders of
+                `FRONTIER_KNOBS` (256 documents: for accelerators); then the FLOP-matched
+                report (lla.sweep.frontier) in WORKDIR/frontier, which compares every pair
+                of attacks at the levels they share.
+  frontier_cpu  the same at the "cpu" levels and ladders on 16 documents (2 CPU cores; the
+                main job runs it on 8).
   test          one tiny cell; tests point `cell.target.hf_dir` and `cell.data.*_npy` at
                 their own files and set `grids`.
 
@@ -29,44 +32,104 @@ from configs import models
 from lla.attacks import registry
 from lla.data import load as data_load
 
+def _series(low: int, high: int) -> tuple[int, ...]:
+  """1, 2, 3, 4, 6, 8, 12, ... (powers of two and their halfway 3 * 2^k) in [low, high]:
+  rungs about sqrt(2) apart, so that a cost linear in the knob lands within a factor 1.5 of
+  any level in its range."""
+  values = {v for k in range(40) for v in (1 << k, 3 << k)}
+  return tuple(sorted(v for v in values if low <= v <= high))
+
+
+def _together(paths: tuple[str, ...], cpu, paper) -> dict:
+  """Knob ladders given as rungs (one value per path each), as FRONTIER_KNOBS holds them."""
+  return {path: {"cpu": tuple(rung[i] for rung in cpu), "paper": tuple(rung[i] for rung in paper)}
+          for i, path in enumerate(paths)}
+
+
 # The frontier's budget knobs. Per attack family: the attacks it runs and, per attack, the
-# config paths that buy it more work, each with its levels ("cpu": 2 CPU cores, 16
-# documents; "paper": an accelerator, 256 documents). The paths of one attack move together
-# (level i takes value i of each). An empty dict: a fixed-cost attack, one point. A
+# config paths that buy it more work, each with a ladder of values per scale ("cpu": 2 CPU
+# cores, the main job's 8 documents per cell; "paper": an accelerator, 256 documents). The
+# paths of one attack move together (rung i takes value i of each). The sweep does not run
+# every rung: it places each attack at the rung whose predicted FLOPs (its analytic model,
+# lla.attacks.flops) land nearest each of FRONTIER_LEVELS, within FRONTIER_TOLERANCE
+# (lla.sweep.isoflop). The ladders reach down (fewer candidates, steps, epochs and
+# calibration documents) and up (more candidates and beams) so that the families' ranges
+# overlap where the algorithms allow. An empty dict: a fixed-cost attack, one point. A
 # registered family missing here runs its attacks once, at their default budgets; an
 # attack named here that is not registered (yet) is left out.
+_SIP_RUNGS = dict(
+    cpu=((8, 1), (12, 1), (16, 1), (24, 1), (32, 1), (32, 2), (32, 3), (32, 4), (32, 6),
+         (32, 8), (32, 12), (32, 16)),
+    paper=((32, 1), (32, 3), (64, 3), (128, 3), (256, 3), (256, 8), (512, 8), (1024, 8),
+           (1024, 15), (2048, 15), (4096, 15), (8192, 15), (16384, 15), (32768, 15)))
 FRONTIER_KNOBS = {
     "ridge": {
-        "ridge": {"data.n_calibration": {"cpu": (8, 16, 32), "paper": (64, 256, 1024)}},
+        "ridge": {"data.n_calibration": {"cpu": (8, 16, 32, 64, 128, 192, 256, 384, 512, 768,
+                                                 1024, 1536),
+                                         "paper": (32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                                   8192, 16384)}},
     },
     "beam_inversion": {
-        "activation": {"budget.candidates": {"cpu": (2, 4, 8, 16, 32),
-                                             "paper": (8, 32, 128, 512)}},
-        "joint": {"budget.c_a": {"cpu": (1, 2, 4, 8, 16), "paper": (4, 16, 64, 256)},
-                  "budget.c_g": {"cpu": (1, 2, 4, 8, 16), "paper": (4, 16, 64, 256)}},
+        # The cheapest rungs fit the ridge decoder on fewer calibration documents.
+        "activation": _together(
+            ("data.n_calibration", "budget.candidates"),
+            cpu=((8, 1), (16, 1)) + tuple((32, c) for c in _series(1, 512)),
+            paper=tuple((32, c) for c in _series(1, 3072))),
+        "joint": {path: {"cpu": _series(1, 256), "paper": _series(1, 1536)}
+                  for path in ("budget.c_a", "budget.c_g")},
     },
     "gradient_heuristic": {"gradient_only": {}},
     "learned_inversion": {
-        "sip": {"budget.sip_epochs": {"cpu": (1, 3, 9), "paper": (3, 15, 45)}},
+        "sip": _together(("data.n_calibration", "budget.sip_epochs"), **_SIP_RUNGS),
     },
     "embedding_inversion": {
-        "bisr_f": {"budget.bisr_f_steps": {"cpu": (25, 100, 400), "paper": (200, 800, 3200)}},
-        "eia": {"budget.eia_steps": {"cpu": (25, 50, 100), "paper": (3000, 12000, 24000)}},
+        "bisr_f": _together(
+            ("data.n_calibration", "budget.sip_epochs", "budget.bisr_f_steps"),
+            cpu=((8, 1, 1), (8, 1, 4), (8, 1, 8), (16, 1, 8), (16, 1, 16), (24, 1, 24),
+                 (32, 1, 32), (32, 2, 48), (32, 3, 64), (32, 4, 96), (32, 6, 128),
+                 (32, 8, 192), (32, 12, 256)),
+            paper=((32, 1, 1), (32, 1, 4), (32, 1, 8), (32, 3, 16), (32, 3, 32), (64, 3, 64),
+                   (128, 3, 128), (256, 3, 256), (256, 8, 512), (512, 8, 1024),
+                   (1024, 15, 2048), (2048, 15, 4096), (4096, 15, 8192))),
+        "eia": {"budget.eia_steps": {"cpu": _series(1, 128), "paper": _series(1, 3072)}},
     },
     "gradient_matching": {
-        "tag": {"budget.tag_steps": {"cpu": (10, 30, 100), "paper": (150, 600, 2400)}},
-        "bisr_b": {"budget.bisr_b_steps": {"cpu": (4, 16, 64), "paper": (8, 32, 128)}},
-        "lamp": {"budget.lamp_steps": {"cpu": (10, 30, 100), "paper": (200, 800, 3200)}},
+        "tag": {"budget.tag_steps": {"cpu": _series(1, 128), "paper": _series(1, 1536)}},
+        "bisr_b": _together(
+            ("data.n_calibration", "budget.sip_epochs", "budget.bisr_b_steps"),
+            cpu=((8, 1, 1), (8, 1, 2), (8, 1, 4), (16, 1, 4), (16, 1, 8), (24, 1, 8), (32, 1, 8),
+                 (32, 1, 16), (32, 2, 16), (32, 2, 24), (32, 3, 32), (32, 4, 48), (32, 6, 64)),
+            paper=((32, 1, 1), (32, 1, 2), (32, 1, 4), (32, 1, 8), (32, 3, 16), (64, 3, 32),
+                   (128, 3, 64), (256, 3, 128), (256, 8, 256), (512, 8, 512),
+                   (1024, 15, 1024))),
+        # The cheapest rungs score fewer permutation candidates per phase.
+        "lamp": _together(
+            ("budget.lamp_steps", "budget.lamp_candidates"),
+            cpu=((1, 2), (1, 4), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (12, 16), (16, 16),
+                 (24, 16), (32, 16), (48, 16), (64, 16), (96, 16)),
+            paper=((1, 2), (1, 4), (2, 8), (4, 16), (8, 32), (16, 32), (32, 64), (64, 100),
+                   (128, 100), (256, 100), (512, 100), (1024, 100))),
     },
 }
+# FLOP levels, per evaluation document (a cell of B documents aims at level * B): about two
+# apart, from about the cheapest attack (the gradient-only heuristic: 2 T V d per document,
+# one vocabulary ranking) up. With a factor-1.5 tolerance both ways every cost in the range
+# lies within tolerance of some level, so a fixed-cost attack (gradient_only, SipIt) is
+# compared with whatever landed at its level.
+FRONTIER_LEVELS = {
+    "cpu": tuple(5e8 * 2**i for i in range(8)),     # 4e9 .. 5.1e11 FLOPs on 8 documents
+    "paper": tuple(3e9 * 2**i for i in range(13)),  # 7.7e11 .. 3.1e15 on 256 documents
+}
+FRONTIER_TOLERANCE = 1.5
 PRIMARY = dict(cut=6, knowledge="public")  # The pre-registered primary setting.
 
 
-def frontier_grids(scale: str) -> tuple[tuple, tuple[str, ...]]:
-  """(grids, attacks run at their defaults because their family has no knobs here) for
-  every registered attack that fits the primary setting's capture: a passive attack
-  (not a control, not defense-aware, not adaptive) on activations and gradients."""
-  grids, untabled = [], []
+def frontier_plan(scale: str) -> tuple[tuple, tuple, tuple[str, ...]]:
+  """(grids of the attacks that run once, knob ladders of those placed at FLOP levels
+  (config.frontier.knobs), attacks run at their defaults because their family has no knobs
+  here) for every registered attack that fits the primary setting's capture: a passive
+  attack (not a control, not defense-aware, not adaptive) on activations and gradients."""
+  grids, knobs, untabled = [], [], []
   for spec in registry.specs():
     if (spec.role != "attack" or spec.tier != "passive" or spec.defense_aware
         or not registry.fits(spec, {"activations", "gradients"}, PRIMARY["knowledge"], "none")):
@@ -74,17 +137,18 @@ def frontier_grids(scale: str) -> tuple[tuple, tuple[str, ...]]:
     family = FRONTIER_KNOBS.get(spec.family)
     if family is not None and spec.name not in family:
       continue
-    knobs = {} if family is None else family[spec.name]
     if family is None:
       untabled.append(spec.name)
-    levels = {len(values[scale]) for values in knobs.values()} or {1}
-    if len(levels) != 1:
-      raise ValueError(f"FRONTIER_KNOBS[{spec.family!r}][{spec.name!r}]: paths have different "
-                       "numbers of levels")
-    for level in range(levels.pop()):
-      grids.append((("attacks", ((spec.name,),)),)
-                   + tuple((path, (values[scale][level],)) for path, values in knobs.items()))
-  return tuple(grids), tuple(untabled)
+    ladders = {} if family is None else family[spec.name]
+    if not ladders:
+      grids.append((("attacks", ((spec.name,),)),))
+      continue
+    if len({len(values[scale]) for values in ladders.values()}) != 1:
+      raise ValueError(f"FRONTIER_KNOBS[{spec.family!r}][{spec.name!r}]: ladders of different "
+                       "lengths (the paths move together)")
+    knobs.append((spec.name, tuple((path, tuple(values[scale]))
+                                   for path, values in ladders.items())))
+  return tuple(grids), tuple(knobs), tuple(untabled)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -113,7 +177,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cell.cut = PRIMARY["cut"] if not test else 2  # k: the client runs blocks 0..k-1.
   cell.knowledge = PRIMARY["knowledge"]  # "public" (exact client weights) or "trained".
   # The target's defense at capture time (lla.defenses name, parameter, strength); "none"
-  # is undefended. The target is fixed (no fine-tuning with the defense in the loop).
+  # is undefended. The target is fixed (no fine-tuning with the defense in the loop), so a
+  # defense that acts through fine-tuning (nopeek) cannot be captured here. A defense that
+  # draws secrets gets the defender's own: 128 bits from the OS, drawn when its capture is
+  # first made and kept in WORKDIR/defender/secrets.json (outside the captures and the
+  # study, which record its hash alone), never derived from a public value.
   cell.defense = ml_collections.ConfigDict(dict(name="none", param="", strength=0.0))
   cell.capture_batch_size = 32  # Documents per training batch at capture (g's loss).
   cell.attacks = ("activation",)  # Registered attack names run on the cell's capture.
@@ -122,7 +190,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cell.budget = registry.budget_config()
   cell.plugins = ""  # Modules outside lla that register attacks ("pkg.module,...").
   cell.seed = 0  # Attack seed: every attack's randomness derives from it.
-  cell.model_seed = 0  # Which fine-tuned target this is (defense secrets derive from it).
+  cell.model_seed = 0  # Which fine-tuned target this is (recorded; the gates' seed).
   cell.memory_budget_mb = 1024  # Per-chunk working set of an attack.
   # The grid: a union of grids, each a tuple of (path in `cell`, (values...)) axes whose
   # product gives cells. Empty: the base cell alone.
@@ -130,11 +198,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.frontier = ml_collections.ConfigDict()
   config.frontier.enabled = False  # Write the FLOP-matched report to WORKDIR/frontier.
   config.frontier.untabled = ()  # Attacks run at defaults: their family has no knobs.
+  # Iso-FLOP placement (lla.sweep.isoflop): FLOP levels per evaluation document (empty: the
+  # grids alone), the factor within which a run counts at a level, and per attack its knob
+  # ladders ((attack, ((path, ladder), ...)), ...), placed at the levels before the cells
+  # expand. The report compares attacks at these levels (lla.sweep.frontier).
+  config.frontier.levels = ()
+  config.frontier.tolerance = FRONTIER_TOLERANCE
+  config.frontier.knobs = ()
   if variant == "cpu":
     cell.attacks = ("ridge", "activation", "random_candidates")
     cell.budget.c_a, cell.budget.c_g = 4, 4
     config.grids = ((("cut", (3, 6)), ("budget.candidates", (8, 16, 32)), ("seed", (0, 1))),)
   elif variant in ("frontier", "frontier_cpu"):
-    config.grids, config.frontier.untabled = frontier_grids("paper" if paper else "cpu")
+    scale = "paper" if paper else "cpu"
+    config.grids, config.frontier.knobs, config.frontier.untabled = frontier_plan(scale)
+    config.frontier.levels = FRONTIER_LEVELS[scale]
     config.frontier.enabled = True
   return config

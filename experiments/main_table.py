@@ -18,8 +18,14 @@ from ml_collections import config_flags
 
 from experiments import distributed
 from lla import dist, runtime
+from lla.capture import store
 from lla.replay import driver as replay
 from lla.study import main_table
+from lla.train import finetune
+
+# An artifact of the workdir that this job cannot reuse (a capture or fine-tune made with
+# another model, secret or config): one line naming what differs, no traceback.
+_REFUSALS = (store.CaptureError, finetune.CheckpointMismatch)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)
@@ -34,8 +40,11 @@ def main(argv):
     with dist.following():
       replay.follow(_CONFIG.value.plugins)
     return
-  with dist.leading():
-    report = main_table.run(_CONFIG.value, _WORKDIR.value)
+  try:
+    with dist.leading():
+      report = main_table.run(_CONFIG.value, _WORKDIR.value)
+  except _REFUSALS as e:
+    raise SystemExit(f"error: {e}") from None
   print(f"report: {report}")
 
 

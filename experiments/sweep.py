@@ -56,12 +56,16 @@ def _backend_options() -> dict:
 def main(argv):
   del argv
   runtime.configure()
-  summary = driver.run(_CONFIG.value, _WORKDIR.value, _BACKEND.value, only=tuple(_CELLS.value),
-                       **_backend_options())
+  try:
+    summary = driver.run(_CONFIG.value, _WORKDIR.value, _BACKEND.value,
+                         only=tuple(_CELLS.value), **_backend_options())
+  except driver.SweepError as e:  # Each failed cell named with its error; the rest written.
+    raise SystemExit(f"error: {e}") from None
   print(f"sweep: {summary.cells} cells ({summary.skipped} finished before, {summary.ran} run) "
         f"in {summary.wall_s:.1f} s -> {summary.study}")
   if _CONFIG.value.frontier.enabled and not _CELLS.value:
-    for line in frontier.report(summary.study, f"{_WORKDIR.value}/{driver.FRONTIER}"):
+    for line in frontier.report(summary.study, f"{_WORKDIR.value}/{driver.FRONTIER}",
+                                **frontier.report_options(_CONFIG.value)):
       print(line)
 
 

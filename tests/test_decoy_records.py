@@ -75,15 +75,50 @@ def test_records_reproduce_the_decoy_numbers(decoy):
   cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
            if c["knowledge"] == "trained" and c["defense"] == "decoy_rows"
            and c["family"].startswith("decoy_")}
-  assert cells == {("decoy_structural", "gradients"): "partial",  # 1 seed of 3
-                   ("decoy_structural", "activations"): "unmeasured",
-                   ("decoy_structural", "activations+gradients"): "unmeasured",
-                   ("decoy_content", "gradients"): "partial",
-                   ("decoy_content", "activations"): "partial",
-                   ("decoy_content", "activations+gradients"): "partial"}
+  # Decoy frames are an observation kind of their own: the split LLM's h and g are out of
+  # scope under the decoy-row split.
+  out = "out of scope"
+  assert cells == {("decoy_structural", "decoy_gradients"): "partial",  # 1 seed of 3
+                   ("decoy_structural", "decoy_forward"): "unmeasured",
+                   ("decoy_structural", "decoy_forward+decoy_gradients"): "unmeasured",
+                   ("decoy_content", "decoy_gradients"): "partial",
+                   ("decoy_content", "decoy_forward"): "partial",
+                   ("decoy_content", "decoy_forward+decoy_gradients"): "partial",
+                   **{(f, o): out for f in ("decoy_structural", "decoy_content")
+                      for o in ("activations", "gradients", "activations+gradients")}}
   assert card["coverage"]["unplaced"] == []
   rundir.finalize(study)
   assert rundir.verify(study) == []
+
+
+def test_decoy_gate_requires_the_decoy_attacks_only_and_the_table_names_the_arm(decoy):
+  """The decoy capture's O holds decoy frames, which no generic attack reads: the gate's
+  fitting set is the decoy modules (every registered one, the unrun mlp probes named as
+  not run), and the verdict table names the arm."""
+  from lla.study import report  # pylint: disable=g-import-not-at-top
+  _, study, config, _, _, _ = decoy
+  card = scorecard.build(study, modules=registry.module_entries(), contrasts=False)
+  gate, = card["gates"]
+  assert gate["config"]["defense"] == "decoy_rows"
+  decoy_modules = ["decoy_structural", "decoy_norm"] + [
+      f"decoy_content_{f}_{c}" for f in ("gradient", "forward", "joined")
+      for c in ("linear", "mlp")]
+  assert gate["fitting"]["fitting"] == sorted(decoy_modules)
+  assert gate["fitting"]["adaptive"] == ["decoy_norm"]
+  assert gate["fitting"]["observed"] == [{"observations": ["decoy_forward", "decoy_gradients"],
+                                          "captures": 1, "fitting": sorted(decoy_modules)}]
+  unrun = [f"decoy_content_{f}_mlp" for f in ("forward", "gradient", "joined")]
+  assert gate["fitting"]["unmeasured"] == {n: "not run" for n in unrun}
+  assert ("fitting attack(s) unmeasured: "
+          + ", ".join(f"{n} (not run)" for n in unrun)) in gate["reasons"]
+  assert not any("activation" in r or "joint" in r for r in gate["reasons"])
+  row, = [l for l in report.defense_table(report._defense_points(card, {}))
+          if l.startswith("| decoy_rows")]
+  assert row.startswith("| decoy_rows (arm: none) | none | **INSUFFICIENT_EVIDENCE** |")
+  mitigated = decoy_records.defense_params(config, "mitigated")
+  assert report.defense_label("decoy_rows", mitigated) == (
+      "decoy_rows (arm: mitigated)",
+      f"clip {config.mitigation.grad_clip:g}, noise {config.mitigation.grad_noise:g}")
 
 
 def test_writing_again_reuses_the_records(decoy):

@@ -11,6 +11,7 @@ With CI=true in the environment, a missing `ray` or `submitit` fails the tests t
 instead of skipping them.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -289,7 +290,8 @@ def test_sweep_resumes_verified_cells_and_refuses_changed_ones(ray_sweep, tmp_pa
 
 def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path):
   """lla.sweep.frontier on the local sweep's study: each point's token recovery, each
-  family's Pareto set and each pair's difference recomputed here with numpy."""
+  family's Pareto set and each pair's differences at its common FLOP levels recomputed here
+  with numpy."""
   _, local_dir, _, work = ray_sweep
   study, out = local_dir / "study", tmp_path / "frontier"
   code = ("import sys; from lla.sweep import frontier; "
@@ -317,16 +319,156 @@ def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path)
         q[0] <= p[0] and q[1] >= p[1] and q != p for q in members)}
     assert {(p["flops"], p["recovery"]) for p in table["points"]
             if p["family"] == family and p["on_frontier"]} == undominated
+  # Levels: none in this sweep's config, so a ladder x2.25 apart from 1.5 x the cheapest run;
+  # an attack's run at a level is its nearest within x1.5 (ties: the cheaper).
+  low = min(p["flops"] for p in table["points"])
+  levels = table["summary"]["levels"]
+  assert levels[0] == pytest.approx(1.5 * low)
+  assert all(b / a == pytest.approx(2.25) for a, b in zip(levels, levels[1:]))
+  near = lambda runs, level: min(
+      (p for p in runs if abs(np.log(p["flops"] / level)) <= np.log(1.5) + 1e-9),
+      key=lambda p: (abs(np.log(p["flops"] / level)), p["flops"]), default=None)
+  compared = 0
   for row in table["pairwise"]:
     runs = {a: [p for p in table["points"] if p["attack"] == row[a]] for a in ("a", "b")}
-    cap = min(max(p["flops"] for p in runs["a"]), max(p["flops"] for p in runs["b"]))
-    assert row["flops_cap"] == cap
-    within = {a: [p for p in runs[a] if p["flops"] <= cap] for a in ("a", "b")}
-    if not (within["a"] and within["b"]):
-      assert row["note"] == "no run of one of them within the other's largest budget"
+    expected = [(level, near(runs["a"], level), near(runs["b"], level)) for level in levels]
+    expected = [(level, pa, pb) for level, pa, pb in expected if pa and pb]
+    assert [c["level"] for c in row["comparisons"]] == [level for level, _, _ in expected]
+    if not expected:
+      assert "no common level" in row["note"] or "ratio" in row
       continue
-    best = {a: max(within[a], key=lambda p: (p["recovery"], -p["flops"])) for a in ("a", "b")}
-    diff = (per_doc[(row["b"], best["b"]["cell_id"])]
-            - per_doc[(row["a"], best["a"]["cell_id"])])
-    assert row["diff_pp"] == pytest.approx(100 * diff.mean(), abs=1e-9)
-    assert row["lo_pp"] <= row["diff_pp"] <= row["hi_pp"]
+    compared += 1
+    for entry, (_, pa, pb) in zip(row["comparisons"], expected):
+      diff = per_doc[(row["b"], pb["cell_id"])] - per_doc[(row["a"], pa["cell_id"])]
+      assert entry["diff_pp"] == pytest.approx(100 * diff.mean(), abs=1e-9)
+      assert entry["lo_pp"] <= entry["diff_pp"] <= entry["hi_pp"]
+  assert table["summary"]["compared"] == compared
+
+
+# --- defended sweep cells ---------------------------------------------------------------
+#
+# Cells whose capture goes through a defense that draws a secret (a Haar projection of h at
+# k = 2): two attack seeds on one defended capture (two groups, so two Ray actors may make
+# that capture and draw its secret at the same time) and one undefended cell on the same
+# documents. The secret comes from the defender's key store in the sweep's workdir.
+
+DEFENDED_GRIDS = ("((('defense.name',('projection',)),('defense.param',('enabled',)),"
+                  "('defense.strength',(True,)),('attacks',(('ridge,gradient_only',),)),"
+                  "('seed',(0,1))),(('attacks',(('ridge',),)),))")
+KEY_STORE = pathlib.Path("defender") / "secrets.json"  # lla.study.defense_sweep.KEY_STORE
+
+
+def defended_command(work: pathlib.Path, workdir: pathlib.Path, *extra: str,
+                     grids: str = DEFENDED_GRIDS) -> list[str]:
+  return [sys.executable, "-m", "experiments.sweep", "--config=configs/sweep.py:test",
+          f"--config.cell.target.hf_dir={work / 'hf'}",
+          f"--config.cell.pretrained.hf_dir={work / 'hf'}",
+          f"--config.cell.data.tokens_npy={work / 'tokens.npy'}",
+          f"--config.cell.data.calibration_npy={work / 'cal.npy'}",
+          "--config.cell.capture_batch_size=6", f"--config.grids={grids}",
+          f"--workdir={workdir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def defended_local(work, tmp_path_factory) -> pathlib.Path:
+  """The defended sweep on the local backend, with a fresh key store; its workdir."""
+  workdir = tmp_path_factory.mktemp("defended_sweep") / "local"
+  subprocess.run(defended_command(work, workdir), cwd=REPO, env=environment(work),
+                 check=True, timeout=TIMEOUT_S)
+  return workdir
+
+
+def _captures(workdir: pathlib.Path, defense: str) -> list[pathlib.Path]:
+  return sorted((workdir / "captures").glob(f"k2_{defense}_*"))
+
+
+def check_defended(workdir: pathlib.Path) -> None:
+  """One secret for the one defended capture, the defender's own, and the defense applied."""
+  defended, = _captures(workdir, "projection")
+  plain, = _captures(workdir, "none")
+  # Drawn from the OS: 128 random bits (below 2^64 with probability 2^-64), named by its
+  # capture, its hash alone in the capture; its digits in no file of the study or captures.
+  keys = json.loads((workdir / KEY_STORE).read_text())
+  assert list(keys) == [f"captures/{defended.name}"]
+  value = int(keys[f"captures/{defended.name}"])
+  assert 2**64 <= value < 2**128
+  target = json.loads((defended / "metadata.json").read_text())["protocol"]["T"]
+  assert target["defense"] == "projection"
+  assert target["defense_seed_sha256"] == hashlib.sha256(
+      f"lla.defense.seed/{value}".encode()).hexdigest()
+  assert target["defense_params"]["secret_source"] == "os_random_128"
+  assert target["defense_params"]["label"] == "projection_enabledTrue"
+  for path in [*(workdir / "study").rglob("*"), *(workdir / "captures").rglob("*")]:
+    assert not path.is_file() or str(value).encode() not in path.read_bytes(), path
+  # The defense was applied: h' = h R with R orthogonal, so h' differs from the undefended
+  # capture's h of the same documents while every inner product of rows is kept.
+  h = load_file(str(plain / "messages.safetensors"))["activations"].astype(np.float64)
+  hp = load_file(str(defended / "messages.safetensors"))["activations"].astype(np.float64)
+  rows, rows_p = h.reshape(-1, h.shape[-1]), hp.reshape(-1, hp.shape[-1])
+  assert np.abs(rows_p - rows).max() > 0.1 * np.abs(rows).max()
+  np.testing.assert_allclose(rows_p @ rows_p.T, rows @ rows.T,
+                             atol=1e-4 * np.abs(rows @ rows.T).max())
+  cells = [json.loads(p.read_text()) for p in (workdir / "study" / "cells").glob("*.json")]
+  assert sorted(c["config"]["defense"]["name"] for c in cells) == ["none", "projection",
+                                                                   "projection"]
+  for cell in cells:
+    for entry in cell["attacks"]:
+      record = json.loads((workdir / "study" / entry["record"]).read_text())
+      assert record["status"] == "ok", record
+      assert record["defense"] == cell["config"]["defense"]["name"]
+  assert len(study_results(workdir)) == 2 * 2 + 1
+
+
+def test_defended_cells_on_the_local_backend(defended_local):
+  check_defended(defended_local)
+
+
+def test_defended_cells_on_ray_draw_one_secret_and_match_local(work, tmp_path):
+  """On a 2-node Ray cluster (two actors, which may make the one defended capture at once):
+  one secret is drawn and the capture holds its hash; the local backend given the same
+  key store (the defender's secrets handed over) writes the same results."""
+  require("ray")
+  home = tmp_path / "home"
+  home.mkdir()
+  env = environment(work, HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+  report = tmp_path / "cluster.json"
+  subprocess.run([sys.executable, str(TESTS / "scaleout_ray.py"), str(report),
+                  *defended_command(work, tmp_path / "ray", "--backend=ray")], cwd=REPO,
+                 env=env, check=True, timeout=TIMEOUT_S)
+  cluster = json.loads(report.read_text())
+  assert cluster["returncode"] == 0 and len(cluster["nodes"]) == 2
+  assert all(scaleout_net.is_loopback(a) for a in cluster["listening"])
+  check_defended(tmp_path / "ray")
+  (tmp_path / "local" / KEY_STORE).parent.mkdir(parents=True)
+  shutil.copyfile(tmp_path / "ray" / KEY_STORE, tmp_path / "local" / KEY_STORE)
+  subprocess.run(defended_command(work, tmp_path / "local"), cwd=REPO, env=environment(work),
+                 check=True, timeout=TIMEOUT_S)
+  assert study_results(tmp_path / "ray") == study_results(tmp_path / "local")
+
+
+def test_defended_cell_refuses_a_capture_made_with_a_lost_secret(defended_local, work,
+                                                                 tmp_path):
+  """The key store lost: a new cell on the same defended capture draws a new secret, and
+  the capture made with the old one is refused, naming the secret's hash; nothing is
+  written for that cell."""
+  workdir = tmp_path / "lost"
+  shutil.copytree(defended_local, workdir)
+  old = json.loads((workdir / KEY_STORE).read_text())
+  (workdir / KEY_STORE).unlink()
+  defended, = _captures(workdir, "projection")
+  before = {p.name: p.read_bytes() for p in defended.iterdir()}
+  grids = DEFENDED_GRIDS.replace("('seed',(0,1))", "('seed',(0,1,2))")
+  done = subprocess.run(defended_command(work, workdir, grids=grids), cwd=REPO,
+                        env=environment(work), capture_output=True, text=True,
+                        timeout=TIMEOUT_S)
+  assert done.returncode != 0
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: 1 of 4 cells failed"), done.stderr[-2000:]
+  new = json.loads((workdir / KEY_STORE).read_text())
+  assert list(new) == list(old) and new != old
+  commit = lambda keys: hashlib.sha256(
+      f"lla.defense.seed/{int(keys[f'captures/{defended.name}'])}".encode()).hexdigest()
+  assert "CaptureError" in last
+  assert f"T.defense_seed_sha256 (stored '{commit(old)}', expected '{commit(new)}')" in last
+  assert {p.name: p.read_bytes() for p in defended.iterdir()} == before
+  assert len(list((workdir / "study" / "cells").glob("*.json"))) == 3

@@ -203,3 +203,104 @@ def test_live_registry_pass_needs_every_fitting_attack(tmp_path, cap):
   g = _gate(tmp_path / "missing", cap, without, modules)
   assert g["decision"] == gates.INSUFFICIENT
   assert any("projection_adaptive (not run)" in r for r in g["reasons"])
+
+
+# --- Observations per capture (PROTOCOL section 5a) -------------------------------------
+#
+# A study (several captures, each with its own protocol tuple) in which one defended
+# configuration holds a training capture per model seed (O: h and g) and one inference
+# capture (O: h only). The gradient-reading attack `joint` fits the training captures and
+# must be measured on each of them; the inference capture does not need it.
+
+TRAINING = {"activations": True, "gradients": True}
+INFERENCE = {"activations": True, "gradients": False}
+
+
+def _study(tmp_path, captures, runs):
+  """A study with `captures` {name: (model_seed, O)} and `runs` [(capture, attack, hits)]
+  (family beam_inversion; defended iff the capture name starts with 'mixup')."""
+  from lla.evidence import rundir  # pylint: disable=g-import-not-at-top
+  from lla.evidence.records import AttackRecord  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import zlib  # pylint: disable=g-import-not-at-top
+  run = str(tmp_path / "study")
+  rundir.create(run, {"schema": rundir.STUDY_SCHEMA,
+                      "G": {"policy": POL.policy_id, "policy_sha256": POL.sha256}},
+                time=syn.RUN_TIME)
+  os.makedirs(os.path.join(run, rundir.PROTOCOLS))
+  made = {}
+  for i, (name, (model_seed, o)) in enumerate(sorted(captures.items())):
+    directory = str(tmp_path / f"cap_{name}")
+    truth = syn.truth_tokens(docs=64, seed=100 + i)  # distinct bytes: distinct captures
+    sha = syn.make_capture(directory, truth)
+    e_hash = rundir.add_protocol(run, {"T": {"capture": name}, "O": o})
+    made[name] = (directory, sha, e_hash, truth, model_seed)
+  for capture, attack, hits in runs:
+    directory, sha, e_hash, truth, model_seed = made[capture]
+    run_id = f"{capture}/s0/{attack}"
+    name = run_id.replace("/", "__")
+    pred_file, pred_sha = rundir.save_predictions(
+        run, name, syn.predict(truth, hits, zlib.crc32(run_id.encode())))
+    rundir.save_record(run, name, AttackRecord(
+        run_id=run_id, attack=attack, family="beam_inversion", status="ok", error=None,
+        e_hash=e_hash, capture_dir=os.path.relpath(directory, run), capture_sha256=sha,
+        truth_file=os.path.relpath(os.path.join(directory, "truth.safetensors"), run),
+        prediction_file=pred_file, prediction_sha256=pred_sha, scored_positions="all",
+        baseline_token=0, model_id=f"synthetic-model-{model_seed}", model_seed=model_seed,
+        cut=6, knowledge="public", corpus="synthetic",
+        defense="mixup" if capture.startswith("mixup") else "none", defense_params={},
+        reference=None, seed=0, budget={}, flops=1.0, flops_source="analytic",
+        flops_analytic=1.0, wall_s=1.0, compile_s=0.0, stages={}, details={},
+        provenance={"lla": "synthetic"}))
+  rundir.finalize(run, time=syn.RUN_TIME)
+  (g,) = scorecard.build(run, POL, None, MODULES)["gates"]
+  return g
+
+
+def _mixed_captures():
+  captures = {f"plain_m{m}": (m, TRAINING) for m in range(3)}
+  captures.update({f"mixup_m{m}": (m, TRAINING) for m in range(3)})
+  captures["mixup_inference_m0"] = (0, INFERENCE)
+  return captures
+
+
+def _mixed_runs(joint_on=(0, 1, 2)):
+  """Nothing recovered under the defense; the undefended control recovers 30 of 32."""
+  runs = [(f"plain_m{m}", "activation", 30) for m in range(3)]
+  for m in range(3):
+    runs += [(f"mixup_m{m}", "activation", 0), (f"mixup_m{m}", "mixup_adaptive", 0)]
+    runs += [(f"mixup_m{m}", "joint", 0)] if m in joint_on else []
+  runs += [("mixup_inference_m0", "activation", 0), ("mixup_inference_m0", "mixup_adaptive", 0)]
+  return runs
+
+
+def test_inference_capture_leaves_gradient_attacks_required_on_training_captures(tmp_path):
+  """joint (h and g) never ran on the training captures: no PASS, joint named. One inference
+  capture in the configuration must not remove it from the attacks that fit them."""
+  g = _study(tmp_path / "without", _mixed_captures(), _mixed_runs(joint_on=()))
+  assert g["decision"] == gates.INSUFFICIENT, g["reasons"]
+  assert "joint" in g["fitting"]["unmeasured"]
+  assert any(r.startswith("PASS withheld: fitting attack(s) unmeasured: joint (not run")
+             for r in g["reasons"]), g["reasons"]
+  # Missing on one training capture only: still withheld, and that capture is named.
+  g = _study(tmp_path / "partly", _mixed_captures(), _mixed_runs(joint_on=(0, 1)))
+  assert g["decision"] == gates.INSUFFICIENT, g["reasons"]
+  assert set(g["fitting"]["unmeasured"]) == {"joint"}
+  assert g["fitting"]["unmeasured"]["joint"] == "not run on 1 of 3 captures it fits: model_seed 2"
+  # joint on every training capture and not on the inference one (it cannot run there): PASS.
+  g = _study(tmp_path / "covered", _mixed_captures(), _mixed_runs())
+  assert g["decision"] == gates.PASS, g["reasons"]
+  assert g["fitting"]["unmeasured"] == {}
+  assert g["fitting"]["observed"] == [
+      {"observations": ["activations"], "captures": 1,
+       "fitting": ["activation", "mixup_adaptive"]},
+      {"observations": ["activations", "gradients"], "captures": 3,
+       "fitting": ["activation", "joint", "mixup_adaptive"]}]
+
+
+def test_gates_know_every_observation_kind_the_registry_declares():
+  """Scoring lists the observation kinds itself (it imports nothing of the attacks): the
+  same kinds, decoy-row frames included."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  assert set(gates.OBSERVATIONS) == set(registry.OBSERVATIONS) == {
+      "activations", "gradients", "decoy_forward", "decoy_gradients"}

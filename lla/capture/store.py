@@ -11,12 +11,16 @@
 A capture is written into a temporary sibling directory and renamed into place, so an
 interrupted capture leaves nothing that looks finished; an existing capture is never
 overwritten. Loading verifies the manifest, shapes, dtypes and finiteness, and hands the
-attack side a `Capture` that holds no ground truth.
+replay driver a `Capture` that holds no ground truth. What reaches an attack is less still
+(lla.attacks.workspace): the messages, `attack_files` (the extra files, never the truth)
+and `attack_metadata` (the blocks of ATTACK_METADATA, never document ids, the session or a
+path); the driver keeps the directory and the rest of the metadata for itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -89,6 +93,10 @@ def _check_messages(name: str, activations, gradients, tokens) -> None:
 
 
 RESERVED_FILES = (MESSAGES_FILE, TRUTH_FILE, METADATA_FILE, manifest.MANIFEST_NAME)
+# The blocks of metadata.json an attack may read (an active server's own account of the
+# hijack it ran); everything else (document ids, session, steps, E, where the model came
+# from) stays with the replay driver and the scorer.
+ATTACK_METADATA = ("active",)
 
 
 def write_capture(directory: str | os.PathLike, activations: np.ndarray,
@@ -176,6 +184,31 @@ def load_capture(directory: str | os.PathLike) -> Capture:
   return Capture(str(directory), activations, gradients, metadata, manifest_sha)
 
 
+def attack_files(capture: Capture) -> dict[str, bytes]:
+  """The files stored with `capture` for its attacks, name -> bytes: every file its manifest
+  covers except the reserved ones (messages, ground truth, metadata, manifest), each checked
+  against the manifest's sha256."""
+  directory = pathlib.Path(capture.directory)
+  entries, errors = manifest.read_manifest(str(directory / manifest.MANIFEST_NAME))
+  if errors:
+    raise CaptureError(f"{directory}: " + "; ".join(errors))
+  out = {}
+  for name, sha in sorted(entries.items()):
+    if name in RESERVED_FILES or os.path.basename(name) != name:
+      continue
+    raw = (directory / name).read_bytes()
+    if files.sha256_bytes(raw) != sha:
+      raise CaptureError(f"{directory / name}: sha256 differs from the capture's manifest")
+    out[name] = raw
+  return out
+
+
+def attack_metadata(capture: Capture) -> dict:
+  """The blocks of the capture's metadata an attack may read (ATTACK_METADATA), copied."""
+  return {k: json.loads(json.dumps(capture.metadata[k]))
+          for k in ATTACK_METADATA if k in capture.metadata}
+
+
 def load_truth(directory: str | os.PathLike) -> np.ndarray:
   """Ground-truth tokens [B, T] int32. For the scorer; never passed to an attack."""
   path = pathlib.Path(directory) / TRUTH_FILE
@@ -198,6 +231,14 @@ def reuse_or_write(directory: str | os.PathLike, write, expected: dict | None = 
   if not pathlib.Path(directory).exists():
     return write(str(directory))
   sha = verify(directory)
+  check_expected(directory, expected)
+  return sha
+
+
+def check_expected(directory: str | os.PathLike, expected: dict | None) -> None:
+  """Raises CaptureError (one line, naming each field with its stored and expected value)
+  if the protocol tuple of the capture in `directory` differs from `expected` ({"T.model_id":
+  ..., ...}, dotted paths into E)."""
   stored = files.read_json(str(pathlib.Path(directory) / METADATA_FILE)).get("protocol", {})
   differ = []
   for path, want in sorted((expected or {}).items()):
@@ -209,4 +250,3 @@ def reuse_or_write(directory: str | os.PathLike, write, expected: dict | None = 
   if differ:
     raise CaptureError(f"{directory}: the capture there is of another target: differs in "
                        + "; ".join(differ) + "; use a new --workdir")
-  return sha

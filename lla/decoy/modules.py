@@ -18,8 +18,12 @@ STRUCTURAL_FAMILY = STRUCTURAL = "decoy_structural"
 NORM = "decoy_norm"
 CONTENT_FAMILY = "decoy_content"
 # Features of the content probe (lla.decoy.attacks.FEATURES) -> what they read.
-FEATURE_OBSERVATIONS = {"gradient": ("gradients",), "forward": ("activations",),
-                        "joined": ("activations", "gradients")}
+# The decoy-row split's frames are an observation kind of their own (registry.OBSERVATIONS):
+# "decoy_forward" (the rows sent, real and decoy, permuted) and "decoy_gradients" (the rows
+# returned), so that no generic attack on a split LLM's h and g fits a decoy capture.
+FORWARD, GRADIENTS = "decoy_forward", "decoy_gradients"
+FEATURE_OBSERVATIONS = {"gradient": (GRADIENTS,), "forward": (FORWARD,),
+                        "joined": (FORWARD, GRADIENTS)}
 CLASSIFIERS = ("linear", "mlp")
 _THREAT = ("the untrusted cloud node of the decoy-row split: sees every frame it is sent and "
            "every gradient it is returned; holds no client weights beyond the public "
@@ -31,14 +35,14 @@ def content_name(features: str, classifier: str) -> str:
 
 
 registry.describe(registry.AttackSpec(
-    STRUCTURAL, "decoy_structural", ("gradients",), knowledge=("trained",),
+    STRUCTURAL, "decoy_structural", (GRADIENTS,), knowledge=("trained",),
     needs_weights=False, reference="PROTOCOL.md section 7", threat_model=_THREAT,
     description="a row is real iff its returned-gradient row is not all zero",
     checks=(("synthetic", "tests/test_decoy_system.py::test_structural_attack",
              "exact frames on a trained tiny split; base rate with the mitigation"),)))
 
 registry.describe(registry.AttackSpec(
-    NORM, STRUCTURAL_FAMILY, ("gradients",), knowledge=("trained",), needs_weights=False,
+    NORM, STRUCTURAL_FAMILY, (GRADIENTS,), knowledge=("trained",), needs_weights=False,
     adapts_to=("decoy_rows",), reference="PROTOCOL.md section 7 (mitigation); lla.decoy.attacks",
     threat_model=_THREAT + "; knows the mitigation's family (every row clipped to C_g, the "
     "same noise on every row) and the public number of real rows per frame, never the "

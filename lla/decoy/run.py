@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from lla.decoy import attacks, capture, data, system
+from lla.decoy import attacks, capture, data, modules, system
 from lla.decoy import records as decoy_records
 from lla.evidence import files
 from lla.model import gpt2, hf_io
@@ -69,9 +69,14 @@ def make_spec(config, cfg: gpt2.GPT2Config, mitigated: bool) -> system.SplitSpec
       lr_ucn=config.train.lr_ucn, weight_decay=config.train.weight_decay)
 
 
+# O of a decoy-row capture: the frames the cloud is sent and the gradient rows it returns
+# (lla.decoy.modules), observation kinds of their own.
+OBSERVED = {modules.FORWARD: True, modules.GRADIENTS: True}
+
+
 def _protocol_tuple(config, seed: int, arm: str, model_id: str, policy_sha: str) -> dict:
   return {"config": config.to_dict(), "seed": seed, "mitigation": arm, "model_id": model_id,
-          "policy_sha256": policy_sha}
+          "policy_sha256": policy_sha, "O": dict(OBSERVED)}
 
 
 def e_hash(config, seed: int, arm: str, model_id: str, policy_sha: str) -> str:

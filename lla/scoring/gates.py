@@ -7,9 +7,12 @@ reported. A defended configuration PASSes only if its pooled envelope is
 <= threshold, it has >= min_seeds independent seeds, the floor allows a PASS,
 a linked undefended reference of a family measured under the defense clears
 the positive-control bar, and the envelope covers the strongest fitting attack:
-every registered attack (the scorecard's module entries) whose observations,
-knowledge and threat model fit the capture was measured on it, and at least one
-of them adapts to the defense's mechanism. A fitting attack not run or crashed,
+on each capture of the configuration, every registered attack (the scorecard's
+module entries) whose observations, knowledge and threat model fit that capture
+was measured on it, and at least one of them adapts to the defense's mechanism.
+Observations are taken per capture (the configuration's key does not hold O): an
+inference capture beside training captures leaves the gradient-reading attacks
+required on the training ones. A fitting attack not run or crashed,
 or a mechanism no registered attack adapts to, withholds the PASS (the
 decision is INSUFFICIENT_EVIDENCE, naming them); a FAIL set by the attacks that
 were measured stands, since a missing attack can only raise the envelope.
@@ -29,7 +32,10 @@ PASS = "PASS"
 FAIL = "FAIL"
 INSUFFICIENT = "INSUFFICIENT_EVIDENCE"
 CONFIG_FIELDS = ("defense", "defense_params", "cut", "knowledge", "corpus")
-OBSERVATIONS = ("activations", "gradients")
+# The observation kinds a capture's O may hold (lla.attacks.registry.OBSERVATIONS, listed
+# here because scoring imports nothing of the attacks): h and g of a split LLM; the frames
+# and returned gradient rows of the decoy-row split (lla.decoy).
+OBSERVATIONS = ("activations", "gradients", "decoy_forward", "decoy_gradients")
 NO_ADAPTIVE = "no adaptive attack for this mechanism"
 
 
@@ -155,20 +161,32 @@ def _controls(ref_ids, scored_by_id, families, pol) -> dict:
   return out
 
 
-def observations(run_dir: str, group: list[Scored]) -> frozenset[str] | None:
-  """What every capture of `group` holds, from the records' protocol tuples (O):
-  the intersection over captures; None if a protocol does not say (then every
-  observation is assumed, the conservative choice: more attacks fit)."""
-  held = None
-  for e_hash in sorted({s.record.e_hash for s in group}):
-    path = (os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json")
-            if rundir.is_study(run_dir) else os.path.join(run_dir, rundir.PROTOCOL))
-    o = files.read_json(path).get("O") if os.path.exists(path) else None
-    if not isinstance(o, dict):
-      return None
-    these = frozenset(k for k in OBSERVATIONS if o.get(k))
-    held = these if held is None else held & these
+def observations(run_dir: str, group: list[Scored]) -> dict[str, frozenset[str] | None]:
+  """What each capture of `group` holds, from its records' protocol tuples (O): capture
+  (the records' capture_sha256) -> observations, None where a protocol does not say (then
+  every observation is assumed, the conservative choice: more attacks fit).
+
+  Observations are taken per capture (PROTOCOL section 5a): an inference capture in a
+  configuration does not remove the gradient-reading attacks from the training captures
+  beside it. Records of one capture that name different protocols get the union (more
+  attacks fit)."""
+  held: dict[str, frozenset[str] | None] = {}
+  for s in sorted(group, key=lambda s: (s.record.capture_sha256, s.record.e_hash)):
+    cap = s.record.capture_sha256
+    these = _protocol_observations(run_dir, s.record.e_hash)
+    if cap in held and held[cap] is None:
+      continue
+    held[cap] = None if these is None else (these | held.get(cap, frozenset()))
   return held
+
+
+def _protocol_observations(run_dir: str, e_hash: str) -> frozenset[str] | None:
+  path = (os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json")
+          if rundir.is_study(run_dir) else os.path.join(run_dir, rundir.PROTOCOL))
+  o = files.read_json(path).get("O") if os.path.exists(path) else None
+  if not isinstance(o, dict):
+    return None
+  return frozenset(k for k in OBSERVATIONS if o.get(k))
 
 
 def _acts_on_activations(defense: str) -> bool:
@@ -202,38 +220,73 @@ def fitting_modules(modules: list[dict], observed, knowledge: str,
   return out
 
 
+def _per_capture(group: list[Scored], observed) -> dict[str, frozenset[str] | None]:
+  """Capture -> its observations: `observed` is a mapping by capture (`observations`), or
+  one set (or None) that every capture of the group holds."""
+  caps = sorted({s.record.capture_sha256 for s in group})
+  if isinstance(observed, dict):
+    return {c: observed.get(c) for c in caps}
+  return {c: observed for c in caps}
+
+
 def coverage_flags(group: list[Scored], modules: list[dict] | None,
                    observed) -> tuple[list[str], dict]:
   """Why the envelope of a defended group does not yet cover the strongest
-  fitting attack (each withholds a PASS), and the JSON detail."""
+  fitting attack (each withholds a PASS), and the JSON detail.
+
+  Per capture (PROTOCOL section 5a): every attack that fits a capture's observations must
+  be measured on that capture; an attack fitting none of them is not required."""
   r0 = group[0].record
   if modules is None:
     return (["no attack registry given: the attacks that fit this capture "
              "are unknown (PROTOCOL section 5a)"],
             {"fitting": None, "unmeasured": None, "adaptive": None})
-  fitting = fitting_modules(modules, observed, r0.knowledge, r0.defense)
-  adaptive = sorted(m["name"] for m in fitting if m.get("adapts_to"))
-  status = {}
+  by_capture = _per_capture(group, observed)
+  fits_on = {}  # name -> captures it fits
+  no_adaptive = []
+  for cap, obs in by_capture.items():
+    fitting = fitting_modules(modules, obs, r0.knowledge, r0.defense)
+    for m in fitting:
+      fits_on.setdefault(m["name"], []).append(cap)
+    if not any(m.get("adapts_to") for m in fitting):
+      no_adaptive.append(cap)
+  adaptive = sorted({m["name"] for m in modules if m["name"] in fits_on
+                     and m.get("adapts_to")})
+  measured, ran = set(), {}
   for s in group:
-    measured = s.counts is not None
-    status[s.record.attack] = status.get(s.record.attack, False) or measured
-  crashed = {s.record.attack: s.record.status for s in group
-             if s.counts is None}
+    key = (s.record.attack, s.record.capture_sha256)
+    if s.counts is not None:
+      measured.add(key)
+    elif key not in measured:
+      ran.setdefault(key, s.record.status)
+  seeds = {}  # capture -> the model seeds of its records (how a reason names it)
+  for s in group:
+    seeds.setdefault(s.record.capture_sha256, set()).add(s.record.model_seed)
   unmeasured = {}
-  for m in fitting:
-    name = m["name"]
-    if not status.get(name):
-      unmeasured[name] = ("not run" if name not in status
-                          else crashed.get(name, "unmeasured"))
+  for name, caps in sorted(fits_on.items()):
+    missing = [c for c in caps if (name, c) not in measured]
+    if not missing:
+      continue
+    text = " / ".join(sorted({ran.get((name, c), "not run") for c in missing}))
+    if len(missing) < len(caps):
+      where = sorted({m for c in missing for m in seeds[c]})
+      text += (f" on {len(missing)} of {len(caps)} captures it fits: model_seed "
+               + ", ".join(str(m) for m in where))
+    unmeasured[name] = text
   flags = []
   if unmeasured:
     flags.append("fitting attack(s) unmeasured: " + ", ".join(
         f"{n} ({why})" for n, why in sorted(unmeasured.items())))
-  if not any(m.get("adapts_to") for m in fitting):
+  if no_adaptive:
     flags.append(f"{NO_ADAPTIVE} ({r0.defense})")
-  return flags, {"fitting": sorted(m["name"] for m in fitting),
-                 "unmeasured": unmeasured, "adaptive": adaptive,
-                 "observed": None if observed is None else sorted(observed)}
+  kinds = {}  # observation set -> captures holding it
+  for c, o in by_capture.items():
+    kinds.setdefault(None if o is None else tuple(sorted(o)), []).append(c)
+  observed = [{"observations": None if o is None else list(o), "captures": len(cs),
+               "fitting": sorted(n for n, on in fits_on.items() if cs[0] in on)}
+              for o, cs in sorted(kinds.items(), key=lambda kv: (kv[0] is None, kv[0] or ()))]
+  return flags, {"fitting": sorted(fits_on), "unmeasured": unmeasured,
+                 "adaptive": adaptive, "observed": observed}
 
 
 def gate(group: list[Scored], everything: list[Scored],
@@ -249,8 +302,8 @@ def gate(group: list[Scored], everything: list[Scored],
     modules: the registered attacks' module entries (lla.attacks.registry
       `module_entries`); None withholds every PASS (nothing says which attacks
       fit).
-    observed: the observations the group's captures hold (`observations`);
-      None assumes all of them.
+    observed: the observations of each of the group's captures (`observations`: capture
+      sha256 -> set or None), or one set every capture holds; None assumes all of them.
   Returns:
     A JSON-ready dict: decision, reasons, pooled rows, envelope (its argmax the
     attack that set it), floor, per-seed envelopes, fitting attacks, links,

@@ -24,6 +24,7 @@ too, so that its cost is the defense's alone.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import pathlib
 
 import ml_collections
@@ -36,6 +37,7 @@ from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
 from lla.evidence import files
+from lla.protocol import tuple as protocol
 from lla.scoring import gates
 from lla.train import finetune as finetune_lib
 
@@ -53,20 +55,24 @@ def trains_client(defense: defenses.Defense) -> bool:
 
 
 class KeyStore:
-  """The defenders' secrets of one main job, by defended target: drawn once from the OS,
-  then reused on resume. Lives outside the captures and the study (file mode 0600)."""
+  """The defenders' secrets of one job, by defended target: drawn once from the OS, then
+  reused on resume. Lives outside the captures and the study (file mode 0600). Processes
+  that share it (sweep workers) draw under a file lock, so a target gets one secret."""
 
   def __init__(self, path: pathlib.Path):
-    self.path = path
-    self._values = files.read_json(str(path)) if path.exists() else {}
+    self.path = pathlib.Path(path)
+    self._values = files.read_json(str(self.path)) if self.path.exists() else {}
 
   def secret(self, target: str) -> defenses.Secret:
     if target not in self._values:
-      drawn = defenses.Secret.draw()
-      self._values[target] = str(drawn.reveal())
       self.path.parent.mkdir(parents=True, exist_ok=True)
-      files.atomic_write_json(str(self.path), self._values, overwrite=True)
-      return drawn
+      with open(f"{self.path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+        # Another process may have drawn it (or others) since this store was read.
+        self._values = files.read_json(str(self.path)) if self.path.exists() else {}
+        if target not in self._values:
+          self._values[target] = str(defenses.Secret.draw().reveal())
+          files.atomic_write_json(str(self.path), self._values, overwrite=True)
     return defenses.Secret(int(self._values[target]), "os_random_128")
 
 
@@ -121,6 +127,54 @@ def defended_target(config, workdir: pathlib.Path, target, defense, secret, labe
                              attacker_source={"checkpoint": str(checkpoint.path)})
 
 
+def public_params(defense: defenses.Defense, secret: defenses.Secret | None, label: str,
+                  fine_tuned: bool) -> dict:
+  """The defense's public parameters as the defended capture's E records them."""
+  record = defense.to_record(secret)
+  params = {**record["params"], "strength": record["strength"], "label": label,
+            "fine_tuned_with_defense": fine_tuned,
+            "client_layers_trained": fine_tuned and trains_client(defense)}
+  if secret is not None:
+    params["secret_source"] = secret.source
+  return params
+
+
+def capture_expectation(target, defense: defenses.Defense, secret: defenses.Secret | None,
+                        label: str, fine_tuned: bool, cut: int, split_hashes: dict) -> dict:
+  """What a reused defended capture of `target` must match (store.reuse_or_write): the
+  model it was captured from (a fine-tune done again has another id), the defense and its
+  public parameters, the hash of the secret it was made with (a lost key store draws
+  another), the cut and the splits."""
+  stored = protocol.make(T=protocol.Target(
+      model_id=target.model_id, cut=cut, defense=defense.name,
+      defense_params=protocol.frozen(public_params(defense, secret, label, fine_tuned)),
+      defense_seed_sha256=secret.sha256 if secret is not None else "")).to_dict()["T"]
+  return {"T.model_id": stored["model_id"], "T.cut": stored["cut"],
+          "T.defense": stored["defense"], "T.defense_params": stored["defense_params"],
+          "T.defense_seed_sha256": stored["defense_seed_sha256"],
+          "C.split_hashes": dict(split_hashes)}
+
+
+def defended_capture(directory: pathlib.Path, target, defense: defenses.Defense,
+                     secret: defenses.Secret | None, label: str, fine_tuned: bool, tokens, ids,
+                     cut: int, corpus: str, split_hashes: dict, batch_size: int) -> str:
+  """The defended capture of `target` (PROTOCOL section 1 with the defense in the loop),
+  made once; a capture already in `directory` is reused only if its E matches what this
+  one would be (`capture_expectation`), else refused (store.CaptureError, one line naming
+  what differs). Returns its manifest sha256."""
+  params = public_params(defense, secret, label, fine_tuned)
+  return store.reuse_or_write(directory, lambda d: capture.capture_target(
+      d, target.params, target.cfg, tokens, ids, cut, model_id=target.model_id, corpus=corpus,
+      split_hashes=split_hashes, training=True, batch_size=batch_size,
+      messages=training.batched_messages(target.params, target.cfg, tokens, cut, defense,
+                                         secret, batch_size, training=True,
+                                         first_step=CAPTURE_STEP, fine_tuned=fine_tuned),
+      defense=defense.name, defense_seed_sha256=secret.sha256 if secret is not None else "",
+      defense_params=params),
+      expected=capture_expectation(target, defense, secret, label, fine_tuned, cut,
+                                   split_hashes))
+
+
 def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Path, targets,
         splits, base) -> dict:
   """Runs every defense configuration; returns {"label/m<seed>": utility cost}."""
@@ -144,19 +198,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
       target = defended_target(config, workdir, undefended, defense, secret, label, splits,
                                base)
     directory = captures / f"def_{label}_m{target.model_seed}"
-    public_params = {**record["params"], "strength": record["strength"], "label": label,
-                     "fine_tuned_with_defense": fine_tuned,
-                     "client_layers_trained": fine_tuned and trains_client(defense)}
-    if secret is not None:
-      public_params["secret_source"] = secret.source
-    store.reuse_or_write(directory, lambda d, t=target, p=public_params: capture.capture_target(
-        d, t.params, t.cfg, tokens, ids, cut, model_id=t.model_id, corpus=splits.corpus,
-        split_hashes={n: s.sha256 for n, s in splits.items()}, training=True,
-        batch_size=batch_size,
-        messages=training.batched_messages(t.params, t.cfg, tokens, cut, defense, secret,
-                                           batch_size, training=True, first_step=CAPTURE_STEP,
-                                           fine_tuned=fine_tuned),
-        defense=name, defense_seed_sha256=record.get("secret_sha256", ""), defense_params=p))
+    defended_capture(directory, target, defense, secret, label, fine_tuned, tokens, ids, cut,
+                     splits.corpus, {n: s.sha256 for n, s in splits.items()}, batch_size)
     attacker = target.attacker(splits.calibration.tokens)
     attacks, baselines = fitting_attacks(defense, {"activations", "gradients"},
                                          target.knowledge, tuple(config.defense_skip_attacks))

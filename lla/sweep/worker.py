@@ -31,12 +31,15 @@ from lla.replay import driver as replay
 from lla.attacks.workspace import document_mesh
 from lla.capture import capture as capture_lib
 from lla.capture import store
+from lla.defenses import training
 from lla.evidence import files, rundir
 from lla.model.loading import load_model
+from lla.study import defense_sweep
 
 CAPTURES = "captures"
 STUDY = "study"
 MODEL_SOURCES = ("hf_dir", "checkpoint", "hub")
+KEY_STORE = defense_sweep.KEY_STORE  # the defenders' secrets, under WORKDIR
 
 
 @dataclasses.dataclass
@@ -149,28 +152,38 @@ class Worker:
     return self._data[key]
 
   def _capture(self, c: dict, target, tokens, ids, corpus: str, split_hashes: dict) -> str:
-    """The cell's capture directory, made once (race-safe) and verified."""
+    """The cell's capture directory, made once (race-safe) and verified: a capture already
+    there is used only if it was made from this target, through this defense, with the
+    secret the defender's key store holds for it (else store.CaptureError, one line)."""
     identity = {"target": model_source(c["target"]), "model_id": target.model_id,
                 "cut": c["cut"], "defense": c["defense"], "batch": c["capture_batch_size"],
                 "model_seed": c["model_seed"], "corpus": corpus, "split_hashes": split_hashes,
                 "tokens": files.sha256_bytes(np.ascontiguousarray(tokens).tobytes())}
     key = hashlib.sha256(files.canonical_json(identity)).hexdigest()[:16]
     directory = self.workdir / CAPTURES / f"k{c['cut']}_{c['defense']['name']}_{key}"
-    if directory.exists():
-      return _verified(directory, target.model_id)
-    name, cut, batch = c["defense"]["name"], int(c["cut"]), int(c["capture_batch_size"])
-    kwargs = {}
-    if name != "none":
-      kwargs = _defended(target, tokens, cut, c["defense"], int(c["model_seed"]), batch)
-    try:
-      capture_lib.capture_target(str(directory), target.params, target.cfg, tokens, ids, cut,
-                                 model_id=target.model_id, corpus=corpus,
-                                 split_hashes=split_hashes, training=True, batch_size=batch,
-                                 **kwargs)
-    except OSError:  # Another worker wrote it first (FileExistsError, or a failed rename).
-      if not directory.exists():
-        raise
-    return _verified(directory, target.model_id)
+    cut, batch = int(c["cut"]), int(c["capture_batch_size"])
+    defended = (_Defended(c["defense"], self.workdir / KEY_STORE, directory.name)
+                if c["defense"]["name"] != "none" else None)
+    expected = {"T.model_id": target.model_id, "T.cut": cut,
+                "C.split_hashes": dict(split_hashes)}
+    if defended is not None:
+      expected.update(defense_sweep.capture_expectation(
+          target, defended.defense, defended.secret, defended.label, False, cut,
+          split_hashes))
+    if not directory.exists():
+      kwargs = {} if defended is None else defended.capture_arguments(target, tokens, cut,
+                                                                      batch)
+      try:
+        capture_lib.capture_target(str(directory), target.params, target.cfg, tokens, ids, cut,
+                                   model_id=target.model_id, corpus=corpus,
+                                   split_hashes=split_hashes, training=True, batch_size=batch,
+                                   **kwargs)
+      except OSError:  # Another worker wrote it first (FileExistsError, or a failed rename).
+        if not directory.exists():
+          raise
+    store.verify(directory)
+    store.check_expected(directory, expected)
+    return str(directory)
 
   def _workspace(self, group: str, plan, memory_budget_bytes: int):
     """The group's Workspace (its stages computed once), least recently used dropped."""
@@ -185,26 +198,30 @@ class Worker:
     return ws
 
 
-def _verified(directory: pathlib.Path, model_id: str) -> str:
-  capture = store.load_capture(directory)
-  captured = capture.metadata["protocol"]["T"]["model_id"]
-  if captured != model_id:
-    raise ValueError(f"{directory}: captured from model {captured[:12]}..., the cell's target "
-                     f"is {model_id[:12]}... (its weights changed): use a new --workdir")
-  return str(directory)
+class _Defended:
+  """A cell's defense and the defender's secret for its capture.
 
+  The secret is the defender's: drawn from the OS the first time a capture of this defended
+  target is made and kept in the key store WORKDIR/defender/secrets.json (outside the
+  captures and the study, which record its hash alone; lla.study.defense_sweep.KeyStore),
+  never derived from a public value such as the model seed. The target is named by the
+  capture directory, so each defended capture has its own secret.
+  """
 
-def _defended(target, tokens, cut: int, defense: dict, model_seed: int, batch: int) -> dict:
-  """capture_target's arguments for a capture through `defense` (a fixed target)."""
-  from lla.study import defense_sweep  # pylint: disable=g-import-not-at-top
-  name, param, strength = defense["name"], defense["param"], defense["strength"]
-  secret = {"secret_seed": defense_sweep.secret_seed(name, strength, model_seed)} if any(
-      f.name == "secret_seed" for f in dataclasses.fields(defenses.get(name))) else {}
-  mechanism = defenses.make(name, **{param: strength}, **secret)
-  record = mechanism.to_record()
-  return dict(messages=defense_sweep.defended_messages(target.params, target.cfg, tokens, cut,
-                                                       mechanism, batch),
-              defense=name, defense_seed_sha256=record.get("secret_seed_sha256", ""),
-              defense_params={**record["params"], "strength": record["strength"],
-                              "label": f"{name}_{param}{strength}",
-                              "fine_tuned_with_defense": False})
+  def __init__(self, defense: dict, key_store: pathlib.Path, target: str):
+    name, param, strength = defense["name"], defense["param"], defense["strength"]
+    self.defense = defenses.make(name, **({param: strength} if param else {}))
+    self.label = f"{name}_{param}{strength}"
+    self.secret = (defense_sweep.KeyStore(key_store).secret(f"{CAPTURES}/{target}")
+                   if self.defense.has_secret else None)
+
+  def capture_arguments(self, target, tokens, cut: int, batch: int) -> dict:
+    """capture_target's arguments for a capture through the defense (a fixed target)."""
+    return dict(
+        messages=training.batched_messages(target.params, target.cfg, tokens, cut,
+                                           self.defense, self.secret, batch, training=True,
+                                           first_step=defense_sweep.CAPTURE_STEP),
+        defense=self.defense.name,
+        defense_seed_sha256=self.secret.sha256 if self.secret is not None else "",
+        defense_params=defense_sweep.public_params(self.defense, self.secret, self.label,
+                                                   False))

@@ -47,6 +47,18 @@ def num_steps(config: ml_collections.ConfigDict, n_train: int) -> int:
   return config.num_epochs * max(n_train // config.batch_size, 1)
 
 
+class CheckpointMismatch(ValueError):
+  """A cached fine-tune made under another config, base or defense secret (one line)."""
+
+
+def _differences(old, new, path: str) -> list[str]:
+  """The paths at which two JSON values differ (dicts compared key by key)."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    return [d for key in sorted(set(old) | set(new))
+            for d in _differences(old.get(key), new.get(key), f"{path}.{key}")]
+  return [] if old == new else [path]
+
+
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
              splits: data.Splits | None = None,
              base: tuple[dict, object, dict] | None = None,
@@ -65,7 +77,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       draws secrets.
 
   Raises:
-    ValueError: a cached seed was made with a different config or base.
+    CheckpointMismatch: a cached seed was made with a different config or base (or a
+      defense's secret with another hash: a lost key store); one line naming what differs.
   """
   run_config = json_config(config)
   loss_fn, loss_inputs = loop.lm_step_loss, None
@@ -114,10 +127,13 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       return result.params, cfg, metadata
 
     checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf)
-    if (checkpoint.metadata.get("run_config") != run_config
-        or checkpoint.metadata["base"]["params_sha256"] != provenance["params_sha256"]):
-      raise ValueError(f"{checkpoint.path} was made with a different config or base; use another "
-                       "--workdir or delete it")
+    differ = _differences(checkpoint.metadata.get("run_config"), run_config, "run_config")
+    if checkpoint.metadata["base"]["params_sha256"] != provenance["params_sha256"]:
+      differ.append("base.params_sha256")
+    if differ:
+      raise CheckpointMismatch(f"{checkpoint.path} was made with a different config or base "
+                               f"(differs in {', '.join(differ)[:300]}); use another --workdir "
+                               "or delete it")
     checkpoints.append(checkpoint)
   _write_manifest(workdir, checkpoints)
   return checkpoints
