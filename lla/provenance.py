@@ -19,13 +19,15 @@ import jaxlib
 import numpy as np
 
 import lla
+from lla import allocator
 
 # jax config options that change numerics or random draws (the rest are diagnostics).
 NUMERIC_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
                   "jax_threefry_partitionable", "jax_numpy_dtype_promotion",
                   "jax_softmax_custom_jvp")
-# Fields that name this checkout rather than the computation.
-_NOT_NUMERIC = ("git_commit", "lla_version")
+# Fields that name this checkout or process rather than the computation (the allocator
+# changes where buffers live, never a value).
+_NOT_NUMERIC = ("git_commit", "lla_version", "allocator")
 
 
 def _git_commit() -> str:
@@ -43,7 +45,8 @@ def _plain(value):
 
 
 def current() -> dict:
-  """This process's provenance: versions, XLA flags, numeric jax config, devices."""
+  """This process's provenance: versions, XLA flags, numeric jax config, devices, and the
+  memory allocator (lla.allocator: which one ran, with which settings)."""
   device = jax.devices()[0]
   config = {name: jax.config.values[name] for name in NUMERIC_CONFIG
             if name in jax.config.values}
@@ -53,7 +56,7 @@ def current() -> dict:
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "jax_config": {k: _plain(v) for k, v in sorted(config.items())},
           "platform": device.platform, "device_kind": device.device_kind,
-          "device_count": jax.device_count()}
+          "device_count": jax.device_count(), "allocator": allocator.record()}
 
 
 def differences(recorded: dict, now: dict) -> list[str]:
@@ -78,4 +81,4 @@ def differences(recorded: dict, now: dict) -> list[str]:
 
 def numeric(difference: str) -> bool:
   """Whether a `differences` line can change numbers (versions, flags, devices)."""
-  return difference.split(":")[0] not in _NOT_NUMERIC
+  return difference.split(":")[0].split(".")[0] not in _NOT_NUMERIC

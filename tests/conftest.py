@@ -8,6 +8,19 @@ import pytest
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+  """The suite runs with malloc tuned as the binaries run it: pytest restarts once with
+  glibc's tunables (lla/allocator.py; $LLA_ALLOCATOR=system or =mallopt: no restart).
+  Output capture is suspended first, so that the restarted pytest writes to the terminal."""
+  from lla import allocator
+
+  if allocator.reexec_needed():
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+      capture.suspend_global_capture(in_=True)
+    allocator.reexec()
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
   """The data directory: $LLA_DATA_DIR, else the repository's sibling `../shared/data`.
