@@ -9,6 +9,7 @@ Every process runs the same command; process 0 leads and alone writes:
 
 from absl import flags
 
+from experiments import cli
 from lla import dist
 
 _DIST = flags.DEFINE_enum(
@@ -22,6 +23,11 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's rank.", l
 
 
 def initialize() -> bool:
-  """Connects this process to its job (before any JAX computation); whether it is one."""
-  return dist.initialize(_DIST.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-                         _PROCESS_ID.value)
+  """Connects this process to its job (before any JAX computation); whether it is one.
+
+  Flags that are incomplete or out of range (a --process_id outside 0..num_processes-1) end
+  the binary with one line on stderr and a non-zero exit.
+  """
+  with cli.one_line_errors(ValueError):
+    return dist.initialize(_DIST.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                           _PROCESS_ID.value)

@@ -78,7 +78,8 @@ def initialize(mode: str = "off", coordinator_address: str | None = None,
   loopback only (jax's default binds every interface).
 
   Raises:
-    ValueError: an unknown mode, or explicit arguments that are incomplete.
+    ValueError: an unknown mode, or explicit arguments that are incomplete or out of range
+      (a process id outside 0..num_processes-1).
     RuntimeError: a JAX backend is already initialised (a computation ran first).
   """
   if mode not in MODES:
@@ -91,6 +92,12 @@ def initialize(mode: str = "off", coordinator_address: str | None = None,
   if mode == "off" and missing:
     raise ValueError(f"a job across processes needs {', '.join(missing)} too (or --dist=auto "
                      "to detect them under Slurm, Open MPI or on a TPU pod slice)")
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"--num_processes={num_processes}: a job has at least 1 process")
+  if process_id is not None and not (0 <= process_id < (num_processes or process_id + 1)):
+    ranks = "0 or more" if num_processes is None else f"0..{num_processes - 1}"
+    raise ValueError(f"--process_id={process_id} is out of range: the ranks of a job of "
+                     f"--num_processes={num_processes} are {ranks}")
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if xla_bridge.backends_are_initialized():
     raise RuntimeError("lla.dist.initialize must run before any JAX computation (a backend "

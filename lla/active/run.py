@@ -546,16 +546,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, study: str | None = Non
     for kind, beta in config.attacks:
       judged.append(simulate(setup, kind, float(beta), int(seed), workdir, steps))
   study_dir = pathlib.Path(study) if study else workdir / "study"
-  if not study_dir.exists():
+  if not rundir.started(str(study_dir)):  # a create interrupted before its log entry: redone
     rundir.create_study(str(study_dir), {"config": config.to_dict(), "kind": "active_server"})
   for result in judged:
     replay_run(setup, result, workdir, study_dir)
   if study is None:
-    # Its own study is scored here (a caller's study is scored by the caller).
-    from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+    # Its own study is scored here (a caller's study is scored by the caller), with the
+    # modules its threat space records.
     from lla.scoring import scorecard  # pylint: disable=g-import-not-at-top
-    scorecard.score_run(str(study_dir), config.scoring, modules=registry.module_entries(),
-                        overwrite=True)
+    replay.record_threat_space(str(study_dir))
+    scorecard.score_run(str(study_dir), config.scoring, overwrite=True)
   summary = summarise(setup, fixed, judged, study_dir)
   if config.decoy_probe.enabled:
     from lla.active import decoy_probe  # pylint: disable=g-import-not-at-top

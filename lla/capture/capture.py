@@ -9,6 +9,7 @@ its `step` and its place in the batch its `order`.
 from __future__ import annotations
 
 import hashlib
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +35,56 @@ def boundary_messages_batched(params, cfg: GPT2Config, tokens: np.ndarray, cut: 
   return np.concatenate(hs), (np.concatenate(gs) if training else None)
 
 
+class CaptureInputError(ValueError):
+  """An input of a capture that is checked before anything runs; one line naming it."""
+
+
+def check_tokens(tokens, cfg: GPT2Config, what: str = "tokens") -> np.ndarray:
+  """`tokens` as int32 [B, T] with B, T >= 1, ids in [0, V) and T <= n_positions, or
+  CaptureInputError naming what is wrong (`what` names the input, e.g. its file)."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise CaptureInputError(f"{what} must be [B, T] integer token ids, got "
+                            f"{tokens.dtype}{list(tokens.shape)}")
+  if tokens.size == 0:
+    empty = "no documents" if tokens.shape[0] == 0 else "documents of no tokens"
+    raise CaptureInputError(f"{what}: empty token array {list(tokens.shape)} ({empty}): a "
+                            "capture needs B >= 1 documents of T >= 1 tokens")
+  low, high = int(tokens.min()), int(tokens.max())
+  if low < 0 or high >= cfg.vocab_size:
+    raise CaptureInputError(f"{what}: token ids must lie in [0, {cfg.vocab_size}), got "
+                            f"[{low}, {high}]")
+  if tokens.shape[1] > cfg.n_positions:
+    raise CaptureInputError(f"{what}: T={tokens.shape[1]} exceeds the model's "
+                            f"n_positions={cfg.n_positions}")
+  return tokens.astype(np.int32)
+
+
+def check_cut(cut, cfg: GPT2Config | None = None) -> int:
+  """The cut k (1 <= k < n_layer: the client runs blocks 0..k-1 and the server at least one),
+  or CaptureInputError; without `cfg` only the lower bound is checked."""
+  try:
+    cut = operator.index(cut)
+  except TypeError:
+    raise CaptureInputError(f"cut={cut!r}: expected an integer") from None
+  if cut < 1 or (cfg is not None and cut >= cfg.n_layer):
+    upper = "n_layer - 1" if cfg is None else f"{cfg.n_layer - 1} (n_layer - 1)"
+    raise CaptureInputError(f"cut={cut} is out of range: expected 1 <= cut <= {upper}; the "
+                            "client runs blocks 0..cut-1 and the server the rest")
+  return int(cut)
+
+
+def check_batch_size(batch_size) -> int:
+  """Documents per training batch (an integer >= 1), or CaptureInputError."""
+  try:
+    value = operator.index(batch_size)
+  except TypeError:
+    value = 0
+  if value < 1:
+    raise CaptureInputError(f"batch_size={batch_size!r}: expected an integer >= 1")
+  return value
+
+
 def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                    document_ids, cut: int, *, model_id: str, corpus: str = "custom",
                    split_hashes: dict | None = None, training: bool = True,
@@ -55,15 +106,9 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
     extra_files: files stored with the capture and covered by its manifest
       (store.write_capture).
   """
-  tokens = np.asarray(tokens)
-  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be [B, T] integers, got {tokens.dtype} {tokens.shape}")
-  if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
-    raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got "
-                     f"[{tokens.min()}, {tokens.max()}]")
-  if tokens.shape[1] > cfg.n_positions:
-    raise ValueError(f"T={tokens.shape[1]} exceeds the model's n_positions={cfg.n_positions}")
-  tokens = tokens.astype(np.int32)
+  tokens = check_tokens(tokens, cfg)
+  check_cut(cut, cfg)
+  check_batch_size(batch_size)
   if messages is None:
     messages = boundary_messages_batched(params, cfg, tokens, cut, batch_size, training)
   h, g = messages

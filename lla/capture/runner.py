@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 import numpy as np
 
@@ -51,21 +53,61 @@ def defense_from_config(config: ml_collections.ConfigDict, training: bool):
   return defense, secret
 
 
+def _user_tokens(path: str) -> np.ndarray:
+  """The --config.data.tokens_npy array (any integer dtype, not yet range-checked)."""
+  try:
+    return files.load_token_matrix(path, "token ids")
+  except (FileNotFoundError, ValueError) as e:
+    message = str(e).removeprefix(f"{path}: ")
+    raise capture.CaptureInputError(f"--config.data.tokens_npy={path}: {message}") from None
+
+
+def _check_workdir(workdir: str) -> None:
+  if os.path.isdir(workdir) and os.listdir(workdir) or os.path.lexists(workdir) and \
+      not os.path.isdir(workdir):
+    raise capture.CaptureInputError(f"--workdir={workdir}: exists and is not an empty directory; "
+                                    "a capture is never overwritten: use a new --workdir")
+
+
+def _check_model_source(model: ml_collections.ConfigDict) -> None:
+  if model.get("hf_dir"):
+    what, path = "hf_dir", model.hf_dir
+  elif model.get("checkpoint"):
+    what, path = "checkpoint", model.checkpoint
+  elif model.get("hub"):
+    return
+  else:
+    raise capture.CaptureInputError("--config.model: names no hf_dir, checkpoint or hub to load "
+                                    "the target from")
+  if not os.path.isdir(path):
+    raise capture.CaptureInputError(f"--config.model.{what}={path}: no such directory")
+
+
 def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   """Loads the target and the documents named by `config` and writes the capture.
 
-  Every input is checked (the defense first) before anything is written.
+  Every input is checked (the workdir, cut, batch size, defense, model and tokens) before
+  anything is computed or written; a bad one raises CaptureInputError,
+  defenses.DefenseError or a model's CheckpointError, one line naming it.
   """
+  _check_workdir(workdir)
+  capture.check_cut(config.cut)
+  capture.check_batch_size(config.batch_size)
   defense, secret = defense_from_config(config.defense, bool(config.training))
+  user_tokens = _user_tokens(config.data.tokens_npy) if config.data.tokens_npy else None
+  _check_model_source(config.model)
   model = load_model(config.model)
-  if config.data.tokens_npy:
-    tokens = load_tokens_npy(config.data.tokens_npy)
+  capture.check_cut(config.cut, model.cfg)
+  if user_tokens is not None:
+    tokens = capture.check_tokens(user_tokens, model.cfg,
+                                  f"--config.data.tokens_npy={config.data.tokens_npy}")
     ids, corpus = np.arange(tokens.shape[0]), "custom"
     hashes = {"evaluation": token_sha256(tokens)}
   else:
     data = {k: v for k, v in config.data.to_dict().items() if k != "tokens_npy"}
     splits = data_load.load_splits(**data)
     tokens, ids, corpus = splits.evaluation.tokens, splits.evaluation.document_ids, splits.corpus
+    tokens = capture.check_tokens(tokens, model.cfg, f"the {corpus} evaluation split")
     hashes = {name: p.sha256 for name, p in splits.items()}
   defense_args = {}
   if defense is not None:
@@ -83,4 +125,5 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
       workdir, model.params, model.cfg, tokens, ids, int(config.cut), model_id=model.model_id,
       corpus=corpus, split_hashes=hashes, training=bool(config.training),
       batch_size=int(config.batch_size), session_id=config.session_id or None,
-      extra_metadata={"model_source": model.source}, **defense_args)
+      extra_metadata={"model_source": model.source,  # family/format/dequantisation; GPT-2's records unchanged
+                      **({"model_info": model.info} if model.cfg.family != "gpt2" else {})}, **defense_args)

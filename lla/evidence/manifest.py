@@ -15,6 +15,8 @@ MANIFEST_NAME = "manifest.sha256"
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 # Temporary files of interrupted atomic writes are not results.
 _IGNORED_PREFIX = ".tmp-"
+# A run directory's lock file (lla.evidence.rundir.locked) is not part of the run.
+LOCK_NAME = ".lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ def list_files(directory: str, exclude=(MANIFEST_NAME,)) -> list[str]:
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), directory)
       rel = rel.replace(os.sep, "/")
-      if rel in exclude or name.startswith(_IGNORED_PREFIX):
+      if rel in exclude or rel == LOCK_NAME or name.startswith(_IGNORED_PREFIX):
         continue
       if "\n" in rel or "\\" in rel:
         raise ValueError(f"{directory}: file name {rel!r} cannot be listed "

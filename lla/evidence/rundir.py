@@ -18,15 +18,33 @@ entry after the reopen rewrote or removed it.
 
 `verify` compares every file of predictions/, records/, inputs/, protocols/ and the
 scorecard with the sha256 the hash-chained log recorded when it was written, so a
-consistent rewrite (a prediction, its record's hash and the manifest) is caught.
+consistent rewrite (a prediction, its record's hash and the manifest) is caught. A
+rewrite that also re-chains the whole log is caught only against the seal's hash
+published elsewhere (`anchor`, printed by experiments/verify.py).
+
+Crash safety: a writer interrupted between writing a file and logging it leaves a file the
+log does not hold. The next writer of that file (`save_file`, hence `create`,
+`add_protocol` and the replay's pinned inputs) logs it as `recovered` when its bytes are
+those it re-derives from its inputs, and otherwise removes it with a logged
+`discard_unlogged` entry and writes it again; removals are logged before the file goes.
+A writer that raised is still finalized (`extending`): `finalize` discards (logged) what
+the log does not hold before it seals, so the sealed run verifies and can be reopened.
+
+One writer at a time: `locked` (taken by `extending` and by the replay driver) holds an
+flock on RUN/.lock naming the holder's pid, host and start time; a second writer waits or
+is refused with one line naming it. The kernel releases the lock when its holder dies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import io
+import json
 import os
+import socket
+import time as time_lib
 
 import numpy as np
 
@@ -53,6 +71,18 @@ SEALS = "seals"
 LOGGED_DIRS = (PREDICTIONS, RECORDS, INPUTS, PROTOCOLS)
 # Log events that remove a file they name (a crashed record retried, an orphan discarded).
 REMOVALS = ("retry", "discard_orphan", "discard_unlogged")
+# A file found written but not logged (a writer interrupted between the two) whose bytes equal
+# those re-derived from the writer's inputs: logged then with this event, naming the event
+# it was written for (`written_as`).
+RECOVERED = "recovered"
+# The run directory's lock (flock): one writer at a time. Never part of the run (the manifest
+# does not list it); removed when its holder releases it, released by the kernel when the
+# holder dies.
+LOCK = manifest.LOCK_NAME
+
+
+class RunLockedError(ValueError):
+  """Another process is writing the run directory; the message names it (pid, host, since)."""
 
 
 def e_hash(protocol: dict) -> str:
@@ -61,17 +91,42 @@ def e_hash(protocol: dict) -> str:
 
 
 def create(run_dir: str, protocol: dict, time: str | None = None) -> str:
-  """Creates an empty run directory for `protocol`; returns its e_hash."""
-  if os.path.exists(run_dir) and os.listdir(run_dir):
+  """Creates an empty run directory for `protocol`; returns its e_hash.
+
+  A directory left by a `create` interrupted between writing protocol.json and logging it
+  (nothing else in it, no log) is taken over: protocol.json is logged as `recovered` if it
+  holds `protocol`, else discarded (logged) and written anew.
+  """
+  if started(run_dir) or _present_files(run_dir) not in ([], [PROTOCOL]):
     raise FileExistsError(f"{run_dir}: run directory exists and is not empty")
   for sub in (PREDICTIONS, RECORDS):
     os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
-  data = files.canonical_json(protocol)
-  files.atomic_write_bytes(os.path.join(run_dir, PROTOCOL), data)
   h = e_hash(protocol)
-  log(run_dir).append({"type": "run_started", "e_hash": h, "file": PROTOCOL,
-                       "sha256": files.sha256_bytes(data)}, time=time)
+  _write_logged(run_dir, PROTOCOL, files.canonical_json(protocol),
+                {"type": "run_started", "e_hash": h}, time=time)
   return h
+
+
+def _present_files(run_dir: str) -> list[str]:
+  """Every file below `run_dir` but its lock (empty if it does not exist)."""
+  if not os.path.isdir(run_dir):
+    return []
+  return [rel for rel in manifest.list_files(run_dir) if rel != LOCK]
+
+
+def started(run_dir: str) -> bool:
+  """Whether `run_dir` is a run: its log exists (it is created with protocol.json's entry)."""
+  return os.path.exists(os.path.join(run_dir, LOG))
+
+
+def is_run_dir(run_dir: str) -> bool:
+  """Whether `run_dir` may be written as a run: absent, empty (but for a lock left by a
+  holder that died, or the leftovers of an interrupted `create`), or a run."""
+  if not os.path.exists(run_dir):
+    return True
+  if not os.path.isdir(run_dir):
+    return False
+  return started(run_dir) or _present_files(run_dir) in ([], [PROTOCOL])
 
 
 def create_study(run_dir: str, header: dict) -> None:
@@ -86,10 +141,15 @@ def is_study(run_dir: str) -> bool:
 
 
 def add_protocol(run_dir: str, protocol: dict) -> str:
-  """Stores one E of a study (idempotent); returns its e_hash."""
+  """Stores one E of a study (idempotent); returns its e_hash.
+
+  A protocols/<e_hash>.json written but never logged (an interruption between the two) is
+  logged now as `recovered` when it holds `protocol` (its hash re-derived from E), else
+  discarded and written again (save_file).
+  """
   h = e_hash(protocol)
   rel = f"{PROTOCOLS}/{h}.json"
-  if not os.path.exists(os.path.join(run_dir, rel)):
+  if rel not in logged_files(run_dir):
     save_file(run_dir, rel, files.canonical_json(protocol), "protocol", e_hash=h)
   return h
 
@@ -118,28 +178,52 @@ def save_file(run_dir: str, rel: str, data: bytes, event_type: str, overwrite: b
               **fields) -> str:
   """Writes `data` to run_dir/rel atomically, then logs {type, file, sha256, **fields}.
 
-  Returns the sha256. `rel` must stay inside the run directory.
+  Returns the sha256. `rel` must stay inside the run directory. A file already there that
+  the log does not hold (written, then interrupted before its log entry) is not a result:
+  if its bytes are `data` (re-derived by the caller from the same inputs) it is logged as
+  {type: "recovered", written_as: event_type, file, sha256, **fields}; otherwise it is
+  removed with a logged `discard_unlogged` entry and `data` written in its place. A logged
+  file is never overwritten unless `overwrite`.
   """
-  rel = records_lib.inside("file", rel)
-  if os.path.exists(os.path.join(run_dir, LOG)) and log(run_dir).sealed:
+  return _write_logged(run_dir, records_lib.inside("file", rel), data,
+                       {"type": event_type, **fields}, overwrite=overwrite)
+
+
+def _write_logged(run_dir: str, rel: str, data: bytes, event: dict, overwrite: bool = False,
+                  time: str | None = None) -> str:
+  if started(run_dir) and log(run_dir).sealed:
     # Refused before the file is touched: a sealed run's files stay what its manifest says.
     raise ValueError(f"{run_dir}: run is sealed; reopen it to add {rel} "
                      "(lla.evidence.rundir.extending)")
   path = os.path.join(run_dir, rel)
+  sha = files.sha256_bytes(data)
+  fields = {k: v for k, v in event.items() if k != "type"}
+  if os.path.exists(path) and rel not in logged_files(run_dir):
+    if files.sha256_file(path) == sha:
+      log(run_dir).append({"type": RECOVERED, "written_as": event["type"], "file": rel,
+                           "sha256": sha, **fields}, time=time)
+      return sha
+    remove_file(run_dir, rel, "discard_unlogged",
+                reason="written but never logged, and not the bytes its inputs give")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   files.atomic_write_bytes(path, data, overwrite=overwrite)
-  sha = files.sha256_bytes(data)
-  log(run_dir).append({"type": event_type, "file": rel, "sha256": sha, **fields})
+  log(run_dir).append({"type": event["type"], "file": rel, "sha256": sha, **fields}, time=time)
   return sha
 
 
 def remove_file(run_dir: str, rel: str, event_type: str, **fields) -> None:
-  """Removes a result that is not one (a crashed record, an orphan) and logs it."""
+  """Removes a result that is not one (a crashed record, an orphan) and logs it.
+
+  The removal is logged first: an interruption before the file is gone leaves a file the
+  log does not hold, which the next writer discards (or recovers) again, never a logged
+  file that is missing.
+  """
   if event_type not in REMOVALS:
     raise ValueError(f"{event_type!r} is not a removal event ({REMOVALS})")
   rel = records_lib.inside("file", rel)
-  os.remove(os.path.join(run_dir, rel))
   log(run_dir).append({"type": event_type, "file": rel, **fields})
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(run_dir, rel))
 
 
 def save_predictions(run_dir: str, name: str,
@@ -187,11 +271,17 @@ def finalize(run_dir: str, time: str | None = None) -> None:
   """Seals the log and writes the manifest over everything, log included.
 
   Idempotent: a sealed log is not sealed again, and a manifest already there must verify
-  (a run interrupted between the seal and the manifest gets its manifest now).
+  (a run interrupted between the seal and the manifest gets its manifest now). Files the
+  log does not hold are removed (each with a logged `discard_unlogged`) before the seal.
   """
   _complete_reopen(run_dir)
   lg = log(run_dir)
   if not lg.sealed:
+    # A writer stopped by an exception between a file and its log entry is finalized on its
+    # way out (`extending`): what the log does not hold is no part of the sealed run.
+    for rel in unlogged(run_dir):
+      if rel != PROTOCOL:  # The header stays (verify names it); `create` recovers it.
+        remove_file(run_dir, rel, "discard_unlogged", reason="not logged when the run was sealed")
     lg.seal(time=time)
   if os.path.exists(os.path.join(run_dir, manifest.MANIFEST_NAME)):
     report = manifest.verify_manifest(run_dir)
@@ -226,15 +316,128 @@ def reopen(run_dir: str, time: str | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def extending(run_dir: str, always_finalize: bool = False):
-  """Writes into a run: reopens it if sealed, and finalizes it on the way out if it was
-  sealed (or always, with `always_finalize`), even when the body raised."""
-  was_sealed = os.path.exists(os.path.join(run_dir, LOG)) and reopen(run_dir)
+def extending(run_dir: str, always_finalize: bool = False, lock_wait_s: float = 0.0):
+  """Writes into a run: takes its lock (`locked`), reopens it if sealed, and finalizes it on
+  the way out if it was sealed (or always, with `always_finalize`), even when the body
+  raised."""
+  with locked(run_dir, lock_wait_s):
+    was_sealed = os.path.exists(os.path.join(run_dir, LOG)) and reopen(run_dir)
+    try:
+      yield
+    finally:
+      if (always_finalize or was_sealed) and os.path.exists(os.path.join(run_dir, LOG)):
+        finalize(run_dir)
+
+
+# realpath of a run directory -> [fd of its lock file, nesting depth] for the locks this
+# process holds: a holder may take its own lock again (a replay inside `extending`).
+_HELD: dict[str, list] = {}
+
+
+def lock_holder(run_dir: str) -> dict | None:
+  """{pid, host, since} of the process that holds (or last held) the run's lock, or None."""
+  try:
+    with open(os.path.join(run_dir, LOCK), "rb") as f:
+      holder = json.loads(f.read().decode("utf-8"))
+  except (OSError, ValueError):
+    return None
+  return holder if isinstance(holder, dict) else None
+
+
+def _holder_text(holder: dict | None) -> str:
+  if not holder:
+    return "a process that has not yet written its name into the lock"
+  return (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
+          + (f", {holder['what']}" if holder.get("what") else ""))
+
+
+@contextlib.contextmanager
+def locked(run_dir: str, wait_s: float = 0.0, what: str = ""):
+  """Holds the run directory's lock (an flock on RUN/.lock) for the body: one writer at a
+  time. The holder's pid, host and start time are written into the lock file; the lock is
+  released (and its file removed) on the way out, and by the kernel if the process dies.
+
+  Re-entrant within a process. A directory that does not exist is created (and removed
+  again on the way out if nothing was written into it).
+
+  Raises:
+    RunLockedError: another process holds the lock and did not release it within `wait_s`
+      seconds (0: refused at once); the message names the holder.
+  """
+  key = os.path.realpath(run_dir)
+  if key in _HELD:
+    _HELD[key][1] += 1
+    try:
+      yield
+    finally:
+      _HELD[key][1] -= 1
+    return
+  created = False
+  path = os.path.join(run_dir, LOCK)
+  deadline = time_lib.monotonic() + max(0.0, float(wait_s))
+  while True:
+    if not os.path.isdir(run_dir):  # (again: a holder that made it removes it when empty)
+      os.makedirs(run_dir, exist_ok=True)
+      created = True
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:  # removed between the two
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      if time_lib.monotonic() >= deadline:
+        holder = lock_holder(run_dir)
+        if created:
+          _remove_if_empty(run_dir)
+        waited = f" (waited {float(wait_s):g} s)" if wait_s else ""
+        raise RunLockedError(
+            f"{run_dir}: another writer holds this run directory's lock ({_holder_text(holder)})"
+            f"{waited}; retry when it has finished, or use another run directory") from None
+      time_lib.sleep(0.2)
+      continue
+    # The previous holder removes the file as it releases: a lock taken on a removed file
+    # locks nothing, so take it again on the file now at `path`.
+    try:
+      same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+      same = False
+    if same:
+      break
+    os.close(fd)
+  holder = {"pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  if what:
+    holder["what"] = what
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, json.dumps(holder, sort_keys=True).encode("utf-8"), 0)
+  _HELD[key] = [fd, 1]
   try:
     yield
   finally:
-    if (always_finalize or was_sealed) and os.path.exists(os.path.join(run_dir, LOG)):
-      finalize(run_dir)
+    del _HELD[key]
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+    os.close(fd)
+    if created:
+      _remove_if_empty(run_dir)
+
+
+def _remove_if_empty(run_dir: str) -> None:
+  with contextlib.suppress(OSError):
+    os.rmdir(run_dir)
+
+
+def anchor(run_dir: str) -> dict | None:
+  """The run's seal, the anchor to publish beside its results: {"hash", "index"} of the last
+  log entry when it is a seal (None for an unsealed run or no log). The seal's hash chains
+  every entry before it, so it commits to every logged file's sha256; a run rewritten and
+  re-chained from scratch verifies on its own, but not against this hash."""
+  last = log(run_dir).last() if started(run_dir) else None
+  if last is None or last["event"].get("type") != hashlog.SEAL:
+    return None
+  return {"hash": last["hash"], "index": last["index"]}
 
 
 def written_since(run_dir: str, rel: str) -> list[str]:
@@ -246,6 +449,13 @@ def written_since(run_dir: str, rel: str) -> list[str]:
   return sorted({e["event"]["file"] for e in entries if e["_line"] > last and
                  isinstance(e["event"].get("file"), str) and
                  e["event"]["file"].split("/")[0] in (PREDICTIONS, RECORDS)})
+
+
+def unlogged(run_dir: str) -> list[str]:
+  """Files of the run's logged paths that the log does not hold (written, then interrupted
+  before their log entry)."""
+  state = logged_files(run_dir)
+  return [rel for rel in _logged_paths(run_dir) if rel not in state]
 
 
 def _complete_reopen(run_dir: str, event: dict | None = None) -> None:

@@ -42,6 +42,7 @@ from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
 from lla.model.loading import load_model
 from lla.protocol import tuple as protocol
+from lla.scoring import threat_space
 from lla.scoring.policy import load_named_policy
 
 INPUTS = rundir.INPUTS
@@ -118,11 +119,30 @@ def differences(old: dict, new: dict, path: str = "") -> list[str]:
   return [] if old == new else [path]
 
 
+def check_workdir(run_dir: str, capture_dir: str | None = None) -> None:
+  """Refuses (before anything is written) a run directory that is not one: a capture
+  directory (or the capture being replayed), a file, or a directory of other files."""
+  if capture_dir is not None and os.path.realpath(run_dir) == os.path.realpath(capture_dir):
+    raise ReplayInputError(f"--workdir={run_dir} is the capture being replayed; the run "
+                           "directory must be another (new) directory")
+  if rundir.is_run_dir(run_dir):
+    return
+  if os.path.exists(os.path.join(run_dir, store.METADATA_FILE)) or \
+      os.path.exists(os.path.join(run_dir, store.MESSAGES_FILE)):
+    raise ReplayInputError(f"--workdir={run_dir} is a capture directory, not a run directory; "
+                           "give a new directory (or a run) as --workdir")
+  kind = ("a directory of other files (no log.jsonl)" if os.path.isdir(run_dir)
+          else "not a directory")
+  raise ReplayInputError(f"--workdir={run_dir} is {kind}, not a run directory; give a new "
+                         "directory (or a run) as --workdir")
+
+
 def _check_protocol(run_dir: str, e: dict) -> None:
   """Refuses (before anything is written) a single-protocol run directory made under
-  another E."""
+  another E (a protocol.json the log does not hold is a leftover of an interrupted
+  `rundir.create`, taken over by `_register_protocol`)."""
   protocol_path = os.path.join(run_dir, rundir.PROTOCOL)
-  if os.path.exists(protocol_path) and not rundir.is_study(run_dir):
+  if rundir.started(run_dir) and not rundir.is_study(run_dir):
     stored = files.read_json(protocol_path)
     if stored != e:
       raise ReplayInputError(
@@ -133,9 +153,9 @@ def _check_protocol(run_dir: str, e: dict) -> None:
 def _register_protocol(run_dir: str, e: dict) -> str:
   """Adds E to a study directory, or creates / checks a single-protocol run directory."""
   protocol_path = os.path.join(run_dir, rundir.PROTOCOL)
-  if rundir.is_study(run_dir):
+  if rundir.started(run_dir) and rundir.is_study(run_dir):
     return rundir.add_protocol(run_dir, e)
-  if os.path.exists(protocol_path):
+  if rundir.started(run_dir):
     stored = files.read_json(protocol_path)
     if stored != e:
       raise ReplayInputError(
@@ -165,7 +185,8 @@ def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
             "calibration_file": calibration,
             "calibration_sha256": calibration_sha,
             "calibration_defense": calibration_defense}
-  if os.path.exists(path):
+  logged = rundir.logged_files(run_dir)
+  if f"{INPUTS}/{e_hash}.json" in logged:
     # Where the weights load from is a locator (the same weights may sit in several
     # checkpoints); what must agree is everything hashed.
     stored = {k: v for k, v in files.read_json(path).items() if k != "attacker_source"}
@@ -176,12 +197,23 @@ def pin_inputs(run_dir: str, e_hash: str, attacker: Attacker,
     return
   if check_only:
     return
-  if not os.path.exists(os.path.join(run_dir, calibration)):
+  # A file here that the log does not hold (written, then interrupted before its entry) is
+  # logged as recovered when its bytes are those re-derived below, else discarded and
+  # written again (rundir.save_file).
+  if calibration not in logged:
     buffer = io.BytesIO()
     np.save(buffer, tokens, allow_pickle=False)
     rundir.save_file(run_dir, calibration, buffer.getvalue(), "input_file")
   rundir.save_file(run_dir, f"{INPUTS}/{e_hash}.json", files.canonical_json(pinned), "inputs",
                    e_hash=e_hash)
+
+
+def record_threat_space(run_dir: str) -> bool:
+  """Records the attack modules registered in this process (built-in and plugins) as the
+  run's threat space (lla.scoring.threat_space), merged with what it holds; returns
+  whether the file changed. Whoever creates or extends a study calls this, so that scoring
+  reads the modules from the study and never from the live registry."""
+  return threat_space.record(run_dir, registry.module_entries())
 
 
 def file_name(run_id: str) -> str:
@@ -193,8 +225,9 @@ def _check_reuse(run_dir: str, name: str, e: dict, e_hash: str, capture_sha: str
   """Refuses (before anything is written) a finished record of `name` that was made under
   another protocol tuple or from another capture: it is never silently reused."""
   path = os.path.join(run_dir, rundir.RECORDS, f"{name}.json")
-  if not os.path.exists(path):
-    return
+  if not os.path.exists(path) or f"{rundir.RECORDS}/{name}.json" not in rundir.logged_files(
+      run_dir):
+    return  # Absent, or never logged (discarded by `_finished`).
   record = AttackRecord.load(path)
   if record.status != "ok":
     return
@@ -251,7 +284,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
            budget, seed: int, *, run_prefix: str = "",
            reference_prefix: str | None = None, model_seed: int = 0,
            memory_budget_bytes: int = 2 << 30, mesh="auto",
-           calibration_defense: dict | None = None, seal: bool = False) -> list[AttackRecord]:
+           calibration_defense: dict | None = None, seal: bool = False,
+           lock_wait_s: float = 0.0) -> list[AttackRecord]:
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
   Args:
@@ -273,42 +307,49 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       directory is reopened (rundir.reopen) once every input has been checked, and the
       run is finalized (sealed, manifest written) when the replay ends, crashed attacks
       included. A study being built by several replays leaves this False.
+    lock_wait_s: how long to wait for another writer's lock on `run_dir`
+      (rundir.locked) before refusing; the lock is held from the checks of the run
+      directory to the seal.
 
   Raises:
-    ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError or
-    store.CaptureError before anything is written, naming the problem.
+    ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError,
+    store.CaptureError or rundir.RunLockedError before anything is written, naming the
+    problem.
   """
   if not dist.is_leader():
     raise RuntimeError(f"process {dist.process_index()}: replay runs on process 0 of a job "
                        "across processes; the others serve it with lla.replay.driver.follow")
+  check_workdir(run_dir, capture_dir)
   plan = prepare(capture_dir, attacker, attacks, budget, seed, calibration_defense)
   capture, specs, e = plan.capture, plan.specs, plan.e
-  for spec in specs:
-    _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
-                 capture.manifest_sha256)
-  _check_protocol(run_dir, e)
-  pin_inputs(run_dir, rundir.e_hash(e), plan.attacker, calibration_defense, check_only=True)
-  with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
-    e_hash = _register_protocol(run_dir, e)
-    pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
-    ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
-    done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
-    todo = [spec.name for spec in specs if done[spec.name] is None]
-    if todo and spans_processes(ws.mesh):
-      dist.send(plan.request(todo, memory_budget_bytes))
-    common = plan.record_fields(run_dir, e_hash, model_seed)
-    records = []
+  with rundir.locked(run_dir, lock_wait_s, what="replay"):
     for spec in specs:
-      if done[spec.name] is not None:
-        logging.info("replay: %s already finished (%s), reused", spec.name,
-                     done[spec.name].prediction_sha256[:12])
-        records.append(done[spec.name])
-        continue
-      reference = None if reference_prefix is None else (
-          reference_prefix + (spec.reference_attack or spec.name))
-      records.append(_run_one(run_dir, ws, spec, plan.values, seed, run_prefix,
-                              {**common, "reference": reference}))
-    return records
+      _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
+                   capture.manifest_sha256)
+    _check_protocol(run_dir, e)
+    pin_inputs(run_dir, rundir.e_hash(e), plan.attacker, calibration_defense, check_only=True)
+    with rundir.extending(run_dir, always_finalize=True) if seal else contextlib.nullcontext():
+      e_hash = _register_protocol(run_dir, e)
+      pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
+      record_threat_space(run_dir)
+      ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
+      done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
+      todo = [spec.name for spec in specs if done[spec.name] is None]
+      if todo and spans_processes(ws.mesh):
+        dist.send(plan.request(todo, memory_budget_bytes))
+      common = plan.record_fields(run_dir, e_hash, model_seed)
+      records = []
+      for spec in specs:
+        if done[spec.name] is not None:
+          logging.info("replay: %s already finished (%s), reused", spec.name,
+                       done[spec.name].prediction_sha256[:12])
+          records.append(done[spec.name])
+          continue
+        reference = None if reference_prefix is None else (
+            reference_prefix + (spec.reference_attack or spec.name))
+        records.append(_run_one(run_dir, ws, spec, plan.values, seed, run_prefix,
+                                {**common, "reference": reference}))
+      return records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +376,8 @@ class Plan:
                      batch_docs=batch_docs(self.capture.metadata),
                      defense={"name": str(target["defense"]),
                               "params": dict(target["defense_params"] or {})},
-                     capture_dir=self.capture.directory)
+                     capture_files=store.attack_files(self.capture),
+                     capture_info=store.attack_metadata(self.capture))
 
   def record_fields(self, run_dir: str, e_hash: str, model_seed: int) -> dict:
     """The fields every record of this replay shares."""
@@ -375,6 +417,7 @@ def prepare(capture_dir: str, attacker: Attacker, attacks: list[str], budget, se
   defense = str(capture.metadata["protocol"]["T"]["defense"])
   specs = [registry.get(name).spec for name in attacks]
   for spec in specs:
+    registry.check_family(spec, attacker.cfg)
     registry.check_compatible(spec, capture.observations, attacker.knowledge,
                               capture_name=f"capture {capture_dir}", defense=defense)
     if spec.defense_aware != (calibration_defense is not None):

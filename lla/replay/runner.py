@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 from absl import logging
 import ml_collections
 
 from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
+from lla import defenses
+from lla.capture import store
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
+from lla.evidence import files, rundir
 from lla.model.loading import load_model
 
 
@@ -46,26 +51,53 @@ def parse_assignments(text: str) -> dict:
   return out
 
 
+def calibration_defense(capture_dir: str, attacker_seed) -> dict | None:
+  """The mechanism a defense-aware attacker mimics on its calibration: the capture's defense
+  and its public parameters (those the defense declares), with the attacker's own seed; None
+  without a seed."""
+  if attacker_seed is None:
+    return None
+  path = os.path.join(capture_dir, store.METADATA_FILE)
+  if not os.path.isfile(path):
+    raise store.CaptureError(f"{path}: no capture metadata")
+  target = files.read_json(path).get("protocol", {}).get("T", {})
+  name = str(target.get("defense", "none"))
+  if name == "none":
+    raise replay.ReplayInputError(f"--config.calibration_defense_seed: capture {capture_dir} "
+                                  "has no defense to mimic")
+  declared = defenses.declared(name)
+  params = {k: v for k, v in (target.get("defense_params") or {}).items() if k in declared}
+  return {"name": name, "params": params, "attacker_seed": int(attacker_seed)}
+
+
 def attack_names(text: str) -> list[str]:
   return [a.strip() for a in text.split(",") if a.strip()]
 
 
-def replay_from_config(config: ml_collections.ConfigDict, workdir: str):
-  """The replay of experiments/replay.py: a whole run, sealed when it ends."""
+def replay_from_config(config: ml_collections.ConfigDict, workdir: str,
+                       lock_wait_s: float = 0.0):
+  """The replay of experiments/replay.py: a whole run, sealed when it ends; another writer
+  holding `workdir` is waited for up to `lock_wait_s` seconds (lla.evidence.rundir.locked)."""
   if not config.capture_dir:
     raise replay.ReplayInputError("--config.capture_dir is required")
-  registry.load_plugins(config.plugins)
-  budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
-  model = load_model(config.attacker)
-  source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
-  attacker = replay.Attacker(model.params, model.cfg, model.model_id,
-                             calibration_tokens(config.calibration), config.knowledge, source)
-  chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
-  logging.info("%s", memory.describe_replay(config.capture_dir, model.cfg,
-                                            attack_names(config.attacks), budget, chunk_budget,
-                                            where))
-  return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
-                       budget, int(config.seed), run_prefix=config.run_prefix,
-                       reference_prefix=config.reference_prefix or None,
-                       model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget,
-                       seal=True)
+  replay.check_workdir(workdir, config.capture_dir)
+  # Held from here (before the attacker loads): a second writer is refused (or waits) at
+  # once, one line naming the holder.
+  with rundir.locked(workdir, lock_wait_s, what="experiments.replay"):
+    registry.load_plugins(config.plugins)
+    budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
+    model = load_model(config.attacker)
+    source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
+    attacker = replay.Attacker(model.params, model.cfg, model.model_id,
+                               calibration_tokens(config.calibration), config.knowledge, source)
+    chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
+    logging.info("%s", memory.describe_replay(config.capture_dir, model.cfg,
+                                              attack_names(config.attacks), budget, chunk_budget,
+                                              where))
+    return replay.replay(workdir, config.capture_dir, attacker, attack_names(config.attacks),
+                         budget, int(config.seed), run_prefix=config.run_prefix,
+                         reference_prefix=config.reference_prefix or None,
+                         model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget,
+                         calibration_defense=calibration_defense(
+                             config.capture_dir, config.get("calibration_defense_seed")),
+                         seal=True, lock_wait_s=lock_wait_s)

@@ -39,6 +39,7 @@ from lla.capture import capture, store
 from lla.decoy import run as decoy_run
 from lla.evidence import files, rundir
 from lla.scoring import scorecard
+from lla.scoring import threat_space
 from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
 from lla.study import qualification as study_qualification
@@ -240,12 +241,21 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
 def score(config, study: pathlib.Path) -> dict:
   """The study's scorecard, with every registered module's coverage and qualification.
 
-  Scoring is a pure function of the records, so a rerun after an interruption rewrites it.
+  The registered modules are recorded first as the study's threat space (the decoy
+  driver's records join the study without a replay), and scoring reads them from there.
+  Scoring is a pure function of the study's files, so a rerun after an interruption
+  rewrites it.
   """
-  modules = registry.module_entries()
+  replay.record_threat_space(str(study))
+  modules = threat_space.read(str(study)).modules
+  checks = config.get("qualification")
+  if checks is not None and checks.outcomes:
+    study_qualification.carry_outcomes(str(study), checks.outcomes)
+  elif checks is not None and checks.run_checks:
+    study_qualification.run_and_record(str(study), modules)
   evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
-  return scorecard.score_run(str(study), config.scoring, modules=modules,
-                             qualification_evidence=evidence, overwrite=True)
+  return scorecard.score_run(str(study), config.scoring, qualification_evidence=evidence,
+                             overwrite=True)
 
 
 def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
@@ -284,11 +294,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   config_json = json.loads(config.to_json())
-  if not study.exists():
+  if not rundir.started(str(study)):  # a create interrupted before its log entry: redone
     policy = load_policy(config.scoring.policy)
     rundir.create_study(str(study), {"G": {"policy": policy.policy_id,
                                            "policy_sha256": policy.sha256},
                                      "config": config_json})
+    replay.record_threat_space(str(study))
   elif files.read_json(str(study / rundir.PROTOCOL)).get("config") != config_json:
     raise ValueError(f"{study}: this workdir was started with a different config; resume it "
                      "with the same config or use a new --workdir")

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from lla.active import report as active_report  # noqa: E402
+from lla.evidence import rundir  # noqa: E402
 from lla.sweep import frontier as flops_frontier  # noqa: E402
 from lla.scoring import scorecard  # noqa: E402
 from lla.study import seed_figures  # noqa: E402
@@ -177,18 +178,32 @@ def recovery_figure(card: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def defense_label(defense: str, params: dict) -> tuple[str, object]:
+  """(label, strength) of a gated configuration in the verdict table: the main job's own
+  label (`name_paramvalue`), or for the decoy-row split its arm (the mitigation, with the
+  clip and noise of the mitigated arm), or the defense's name."""
+  if "label" in params:
+    return params["label"], params.get("strength")
+  if "mitigation" in params:
+    arm = params["mitigation"]
+    strength = (f"clip {params['grad_clip']:g}, noise {params['grad_noise']:g}"
+                if "grad_clip" in params and "grad_noise" in params else "none")
+    return f"{defense} (arm: {arm})", strength
+  return defense, params.get("strength")
+
+
 def _defense_points(card: dict, utility: dict) -> list[dict]:
   """One point per gated defense configuration: label, envelope, exact-doc, CE cost."""
   points = []
   for gate in card["gates"]:
     params = gate["config"]["defense_params"]
-    label = params.get("label", gate["config"]["defense"])
+    label, strength = defense_label(gate["config"]["defense"], params)
     costs = [u["cross_entropy_increase"]["value"] for key, u in utility.items()
              if key.startswith(label + "/")]
     pooled = gate["pooled"].values()
     points.append({
         "defense": gate["config"]["defense"], "label": label, "cut": gate["config"]["cut"],
-        "strength": params.get("strength"), "decision": gate["decision"],
+        "strength": strength, "decision": gate["decision"],
         "reasons": gate["reasons"], "n_seeds": gate["n_seeds"],
         "envelope_pp": (gate["envelope"] or {}).get("envelope_pp"),
         "envelope_by": (gate["envelope"] or {}).get("argmax"),
@@ -207,7 +222,8 @@ def defense_table(points: list[dict]) -> list[str]:
            "|" + "---|" * 11]
   for p in points:
     ce = "—" if p["ce_increase"] is None else f"{p['ce_increase']:+.4f}"
-    lines.append(f"| {p['label']} | {p['strength']} | **{p['decision']}** | "
+    strength = "—" if p["strength"] is None else p["strength"]
+    lines.append(f"| {p['label']} | {strength} | **{p['decision']}** | "
                  f"{_pp(p['envelope_pp'])} | {p['envelope_by'] or '—'} | {_pp(p['floor_pp'])} | "
                  f"{_pct(p['token'])} | "
                  f"{_pct(p['exact_doc'])} | {ce} | {p['n_seeds']} | "
@@ -288,10 +304,22 @@ def flop_frontier_section(config, workdir: pathlib.Path, out: pathlib.Path) -> l
             else f"Not run: {study} does not exist."]
   cells = config.frontier.sweep.cell
   return [*flops_frontier.report(str(study), str(out / "flops_frontier"),
-                                 figure_link="flops_frontier/" + flops_frontier.FIGURE),
+                                 figure_link="flops_frontier/" + flops_frontier.FIGURE,
+                                 **flops_frontier.report_options(config.frontier.sweep)),
           "", f"(Sweep of its own under `frontier/`: the first fine-tuned model at k = "
           f"{cells.cut}, {cells.knowledge} knowledge, undefended, {cells.data.n_eval} documents "
           "per cell.)"]
+
+
+def seal_line(study: pathlib.Path) -> str:
+  """The study's seal hash (lla.evidence.rundir.anchor): what to publish beside the report,
+  and the command that checks the study against it."""
+  anchor = rundir.anchor(str(study))
+  if anchor is None:
+    return "Seal: none (the study is not sealed; `experiments.verify` fails on it)."
+  return (f"Seal: `{anchor['hash']}` (log entry {anchor['index']}); publish it with the "
+          f"results: `python -m experiments.verify --workdir={study} --expect={anchor['hash']}` "
+          "fails on any study that does not end with this seal.")
 
 
 def render(config, workdir) -> pathlib.Path:
@@ -321,6 +349,7 @@ def render(config, workdir) -> pathlib.Path:
       f"Scorecard `{card['e_hash'][:16]}`; wall time "
       f"{'—' if wall is None else f'{wall / 60:.1f} min'} elapsed over {len(invocations)} "
       f"invocation(s) (each interruption and resume adds one).", "",
+      seal_line(workdir / "study"), "",
       "## Main table (pooled over models and attack seeds)", "", *main_table(card), "",
       seed_figures.WHY_DIFFERENT, "",
       f"## Every attack at the primary setting (k = {config.primary_cut}, undefended)", "",

@@ -31,7 +31,7 @@ class StudyError(ValueError):
 
 def open_study(study: str, policy: str, name: str) -> None:
   """Creates the study directory (a lla.evidence study) unless it exists."""
-  if os.path.exists(os.path.join(study, rundir.PROTOCOL)):
+  if rundir.started(study):  # a create interrupted before its log entry: redone
     if not rundir.is_study(study):
       raise StudyError(f"{study}: a run directory, not a study: use a new --workdir")
     os.makedirs(os.path.join(study, CELLS), exist_ok=True)
@@ -39,6 +39,7 @@ def open_study(study: str, policy: str, name: str) -> None:
   loaded = load_policy(policy)
   rundir.create_study(study, {"G": {"policy": loaded.policy_id, "policy_sha256": loaded.sha256},
                               "sweep": name})
+  replay.record_threat_space(study)
   os.makedirs(os.path.join(study, CELLS), exist_ok=True)
 
 
@@ -95,6 +96,8 @@ def write_cell(study: str, cell: cells_lib.Cell, result) -> dict:
                              result.calibration, result.config["knowledge"],
                              result.pinned["attacker_source"])
   replay.pin_inputs(study, e_hash, attacker, result.pinned["calibration_defense"])
+  # The registry the driver runs with (its plugins loaded), merged into the study's.
+  replay.record_threat_space(study)
   entries = []
   for attack in result.attacks:
     record = AttackRecord.from_json(attack["record"])

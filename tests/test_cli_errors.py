@@ -1,0 +1,178 @@
+"""Bad input to the capture and replay binaries: one line on stderr, a non-zero exit, nothing
+written, as a new user would meet it.
+
+Each case runs the binary as a subprocess on a tiny random GPT-2 (V = 512, 3 layers,
+n_positions 16) and checks the exit status, that stderr is exactly one line (no traceback)
+naming the problem with values the test computes itself (the array's own min and max, the
+config's vocabulary and layer count, the path given), and that no output was left behind.
+"""
+
+import concurrent.futures
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lla.capture import capture
+from lla.model import hf_io
+from lla.model.gpt2 import GPT2Config
+
+from test_attacks_units import random_params
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CFG = GPT2Config(vocab_size=512, n_positions=16, n_embd=32, n_head=4, n_layer=3)
+CUT = 2
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args],
+                        capture_output=True, text=True, cwd=REPO, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def _tree(directory: pathlib.Path) -> dict[str, str]:
+  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _one_line(proc: subprocess.CompletedProcess, what) -> str:
+  """The single stderr line of a failed run (asserting there is exactly one)."""
+  assert proc.returncode != 0, (what, proc.stdout[-2000:])
+  assert "Traceback" not in proc.stderr, (what, proc.stderr[-3000:])
+  lines = proc.stderr.strip("\n").split("\n")
+  assert len(lines) == 1 and lines[0].strip(), (what, proc.stderr[-3000:])
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  params = random_params(CFG, seed=7, std=0.05)
+  hf_io.save_hf_dir(params, CFG, root / "hf")
+  params, _ = hf_io.load_hf_dir(root / "hf")
+  rng = np.random.default_rng(7)
+  good = rng.integers(0, CFG.vocab_size, (4, 8)).astype(np.int32)
+  np.save(root / "good.npy", good)
+  capture.capture_target(str(root / "cap"), params, CFG, good, range(4), CUT, model_id="tiny",
+                         batch_size=2)
+  capture.capture_target(str(root / "cap_other"), params, CFG, good[:2], range(2), CUT,
+                         model_id="tiny", batch_size=2)
+  return root, good
+
+
+def _token_cases(root: pathlib.Path, good: np.ndarray) -> list:
+  """(name, array or None for a missing file, allow_pickle, the facts the line must hold)."""
+  high = good.copy()
+  high[1, 3] = CFG.vocab_size + 5
+  negative = good.copy()
+  negative[0, 0] = -4
+  obj = np.empty((2, 2), dtype=object)
+  obj[:] = 1
+  long_docs = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, CFG.n_positions + 4))
+  return [
+      ("high", high, [f"[0, {CFG.vocab_size})", f"[{high.min()}, {high.max()}]"]),
+      ("negative", negative, [f"[0, {CFG.vocab_size})", f"[{negative.min()}, {negative.max()}]"]),
+      ("float", good.astype(np.float32), ["float32", "[4, 8]", "integer"]),
+      ("one_d", good[0], ["[8]", "[B, T]"]),
+      ("object", obj, ["Object arrays", "allow_pickle"]),
+      ("too_long", long_docs, [f"T={CFG.n_positions + 4}", f"n_positions={CFG.n_positions}"]),
+      ("no_documents", np.zeros((0, 8), np.int32), ["empty", "[0, 8]", "no documents"]),
+      ("no_tokens", np.zeros((3, 0), np.int32), ["empty", "[3, 0]"]),
+      ("missing", None, ["not found"]),
+  ]
+
+
+def test_capture_binary_bad_inputs_are_one_line(setup, tmp_path):
+  root, good = setup
+  cases = []  # (what, args, facts, workdir)
+  for name, array, facts in _token_cases(root, good):
+    path = tmp_path / f"{name}.npy"
+    if array is not None:
+      np.save(path, array, allow_pickle=array.dtype == object)
+    cases.append((name, [f"--config.data.tokens_npy={path}", f"--config.cut={CUT}"],
+                  [str(path), *facts]))
+  good_tokens = f"--config.data.tokens_npy={root / 'good.npy'}"
+  for cut in (0, -1, CFG.n_layer, CFG.n_layer + 5):
+    facts = [f"cut={cut}", "out of range"] + ([f"<= {CFG.n_layer - 1}"] if cut > 0 else [])
+    cases.append((f"cut {cut}", [good_tokens, f"--config.cut={cut}"], facts))
+  cases.append(("missing model", [good_tokens, f"--config.cut={CUT}",
+                                  f"--config.model.hf_dir={tmp_path / 'no_model'}"],
+                [str(tmp_path / "no_model"), "no such directory"]))
+  cases.append(("no model", [good_tokens, f"--config.cut={CUT}", "--config.model.hf_dir=",
+                             "--config.model.checkpoint=", "--config.model.hub="],
+                ["names no hf_dir, checkpoint or hub"]))
+  cases.append(("existing workdir", [good_tokens, f"--config.cut={CUT}"], ["exists"]))
+
+  def run(case):
+    what, args, facts = case
+    workdir = root / "cap" if what == "existing workdir" else tmp_path / f"out_{what}"
+    model = [] if any(a.startswith("--config.model.hf_dir") for a in args) else [
+        f"--config.model.hf_dir={root / 'hf'}"]
+    return _run("capture", "--config=configs/capture.py", *model, *args, f"--workdir={workdir}")
+
+  before = _tree(root / "cap")
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(run, cases))
+  for (what, _, facts), proc in zip(cases, results):
+    line = _one_line(proc, what)
+    assert line.startswith("capture: "), (what, line)
+    for fact in facts:
+      assert fact in line, (what, fact, line)
+  # Nothing written: no capture directory, no staging directory, the existing one as it was.
+  assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".npy")) == []
+  assert sorted(p.name for p in root.iterdir()) == ["cap", "cap_other", "good.npy", "hf"]
+  assert _tree(root / "cap") == before
+
+
+def test_capture_binary_writes_the_same_capture_for_good_input(setup, tmp_path):
+  """The checks refuse nothing valid: the binary's capture of the fixture's tokens is the
+  capture written in-process (same manifest bytes)."""
+  root, _ = setup
+  proc = _run("capture", "--config=configs/capture.py", f"--config.model.hf_dir={root / 'hf'}",
+              f"--config.data.tokens_npy={root / 'good.npy'}", f"--config.cut={CUT}",
+              "--config.batch_size=2", f"--workdir={tmp_path / 'cap'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("messages.safetensors", "truth.safetensors"):
+    assert (tmp_path / "cap" / name).read_bytes() == (root / "cap" / name).read_bytes()
+
+
+def _replay(root, capture_dir, workdir, *extra):
+  return _run("replay", "--config=configs/replay.py", f"--config.capture_dir={capture_dir}",
+              f"--config.attacker.hf_dir={root / 'hf'}",
+              f"--config.calibration.tokens_npy={root / 'good.npy'}", "--config.attacks=ridge",
+              f"--workdir={workdir}", *extra)
+
+
+def test_replay_binary_refuses_a_capture_as_workdir_and_a_bad_process_id(setup, tmp_path):
+  root, _ = setup
+  before = {name: _tree(root / name) for name in ("cap", "cap_other")}
+  cases = [
+      ("workdir is the capture", (root / "cap", root / "cap"),
+       [f"--workdir={root / 'cap'}", "capture being replayed"]),
+      ("workdir is another capture", (root / "cap", root / "cap_other"),
+       [f"--workdir={root / 'cap_other'}", "is a capture directory"]),
+      ("process_id out of range", (root / "cap", tmp_path / "run"),
+       ["--process_id=2", "out of range", "0..1"]),
+      ("process_id without the job", (root / "cap", tmp_path / "run"),
+       ["--coordinator_address", "--num_processes"]),
+  ]
+  extra = {"process_id out of range": ["--coordinator_address=127.0.0.1:1", "--num_processes=2",
+                                       "--process_id=2"],
+           "process_id without the job": ["--process_id=1"]}
+
+  def run(case):
+    what, (capture_dir, workdir), _ = case
+    return _replay(root, capture_dir, workdir, *extra.get(what, []))
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(run, cases))
+  for (what, _, facts), proc in zip(cases, results):
+    line = _one_line(proc, what)
+    for fact in facts:
+      assert fact in line, (what, fact, line)
+  assert not (tmp_path / "run").exists()
+  assert {name: _tree(root / name) for name in ("cap", "cap_other")} == before
