@@ -26,13 +26,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lla.model.gpt2 import GPT2, GPT2Config
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
 
 
 def body(params, cfg: GPT2Config, h: jax.Array, k: int) -> jax.Array:
   """ln_f(blocks k..L-1(h)): h [B, T, d] -> [B, T, d]; logits are this times wte^T."""
-  model = GPT2(cfg)
-  x = model.apply({"params": params}, h, k, cfg.n_layer, method=GPT2.blocks)
+  model = split.module(cfg)
+  x = model.apply({"params": params}, h, k, cfg.n_layer, method="blocks")
   return model.apply({"params": params}, x, method=lambda m, y: m.ln_f(y)).astype(jnp.float32)
 
 
@@ -54,7 +55,7 @@ class Linearized(NamedTuple):
 def linearize(params, h: jax.Array, cfg: GPT2Config, k: int) -> Linearized:
   """Linearises the downstream part at h [B, T, d] (one forward through the body)."""
   x_f, jvp = jax.linearize(lambda h_: body(params, cfg, h_, k), h)
-  wte = params["wte"]["embedding"]
+  wte = split.output_table(params)  # the output head (lm_head when untied)
   probs = jax.nn.softmax(jnp.einsum("btd,vd->btv", x_f, wte), axis=-1)
   base = jnp.einsum("btv,vd->btd", probs, wte).at[:, -1].set(0.0)
   return Linearized(base, jvp)

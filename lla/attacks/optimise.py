@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lla.model.gpt2 import GPT2, GPT2Config
+from lla.model import split
+from lla.model.decoder import DecoderConfig
+from lla.model.gpt2 import GPT2Config
 
 
 def embedded_client(params, cfg: GPT2Config, e: jax.Array, start: int, stop: int) -> jax.Array:
@@ -35,9 +37,12 @@ def embedded_client(params, cfg: GPT2Config, e: jax.Array, start: int, stop: int
   With start = 0 this is the client of lla.model.split.client with `wte[x]` replaced by
   `e`: `blocks[0..stop-1](e + wpe[0..T-1])`.
   """
-  model = GPT2(cfg)
-  x = e + params["wpe"]["embedding"][:e.shape[-2]]
-  return model.apply({"params": params}, x, start, stop, method=GPT2.blocks).astype(jnp.float32)
+  model = split.module(cfg)
+  if isinstance(cfg, DecoderConfig):  # RoPE families: positions enter inside attention
+    x = e * jnp.float32(cfg.embed_scale) if cfg.embed_scale != 1.0 else e
+  else:
+    x = e + params["wpe"]["embedding"][:e.shape[-2]]
+  return model.apply({"params": params}, x, start, stop, method="blocks").astype(jnp.float32)
 
 
 def losses_and_grad(losses_fn: Callable, x: jax.Array):

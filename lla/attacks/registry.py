@@ -8,7 +8,9 @@ missing piece, so adding an attack means writing one module and no driver change
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import sys
 from typing import Any, Callable, Protocol
 
 import jax
@@ -17,7 +19,10 @@ import numpy as np
 
 from lla.attacks import budget as budget_lib
 
-OBSERVATIONS = ("activations", "gradients")
+# What crosses a boundary and is stored in a capture (O): a split LLM's per-document messages
+# h and g; the decoy-row split's frames (rows of real and decoy documents, permuted) and
+# their returned gradient rows, a kind of their own that no generic attack reads.
+OBSERVATIONS = ("activations", "gradients", "decoy_forward", "decoy_gradients")
 KNOWLEDGE = ("public", "trained", "none")
 ROLES = ("attack", "negative_control", "baseline")
 TIERS = ("passive", "active")
@@ -59,8 +64,8 @@ class AttackSpec:
       evidence exercises.
     checks: (kind, test id, what it was checked against) triples: the tests that qualify
       the module itself, kind in lla.scoring.qualification.KINDS ("reference_consistency",
-      "adaptation", "real_model", "synthetic"). The suite enforces them, so each is "pass"
-      evidence in the qualification matrix.
+      "adaptation", "real_model", "synthetic"). In the qualification matrix each is the
+      test's recorded outcome (lla.study.qualification), `unmeasured` until it ran.
     validate_budget: optional check of relations between its budget fields, called with
       (budget dict, vocabulary size); raises budget.BudgetError naming the fields.
   """
@@ -109,6 +114,30 @@ class Attack(Protocol):
 
 
 _REGISTRY: dict[str, Attack] = {}
+# Attack name -> {"module", "sha256"}: the module that registered it (or described it) and
+# the sha256 of that module's source file when it registered, the version of the attack's
+# code that a study's threat space records (lla.scoring.threat_space).
+_SOURCES: dict[str, dict[str, str | None]] = {}
+_FILE_SHA256: dict[str, str | None] = {}
+
+
+def _caller_source(depth: int = 2) -> dict[str, str | None]:
+  """The module `depth` frames up (the one calling `register` / `describe`) and the sha256
+  of its source file (None without one: a module typed into an interpreter)."""
+  caller = sys._getframe(depth).f_globals  # pylint: disable=protected-access
+  path = caller.get("__file__")
+  if path not in _FILE_SHA256:
+    try:
+      with open(path, "rb") as f:
+        _FILE_SHA256[path] = hashlib.sha256(f.read()).hexdigest()
+    except (OSError, TypeError):
+      _FILE_SHA256[path] = None
+  return {"module": str(caller.get("__name__")), "sha256": _FILE_SHA256[path]}
+
+
+def source(name: str) -> dict[str, str | None] | None:
+  """{"module", "sha256"} of the module that registered (or described) attack `name`."""
+  return _SOURCES.get(name)
 
 
 def register(attack: Attack) -> Attack:
@@ -133,6 +162,7 @@ def register(attack: Attack) -> Attack:
   if problems:
     raise ValueError(f"attack {name!r}: " + "; ".join(problems))
   _REGISTRY[name] = attack
+  _SOURCES[name] = _caller_source()
   return attack
 
 
@@ -181,20 +211,48 @@ def describe(spec: AttackSpec) -> AttackSpec:
   qualification know it; replay, `get` and `names` do not."""
   if spec.name in _REGISTRY or _EXTERNAL.get(spec.name, spec) != spec:
     raise ValueError(f"attack {spec.name!r} is registered twice")
+  if spec.name not in _EXTERNAL:
+    _SOURCES[spec.name] = _caller_source()
   _EXTERNAL[spec.name] = spec
   return spec
 
 
 def module_entry(spec: AttackSpec) -> dict[str, Any]:
-  """`spec` as the scoring layer's module entry (coverage, gates, qualification)."""
-  return {**spec.to_dict(), "observations": list(spec.requires)}
+  """`spec` as the scoring layer's module entry (coverage, gates, qualification), with
+  `source`: the module that registered it and the sha256 of its source file."""
+  return {**spec.to_dict(), "observations": list(spec.requires),
+          "source": _SOURCES.get(spec.name)}
 
 
 def module_entries() -> list[dict[str, Any]]:
   """Every attack module, replayable or run in its own driver, as the scoring layer's
-  module entry (coverage, qualification)."""
+  module entry (coverage, qualification). A study records them as its threat space
+  (lla.scoring.threat_space, written by lla.replay.driver.record_threat_space); scoring
+  reads them from there, never from here."""
   everything = specs() + [_EXTERNAL[n] for n in sorted(_EXTERNAL)]
   return sorted((module_entry(s) for s in everything), key=lambda m: m["name"])
+
+
+# Attacks checked on the RoPE decoder families (lla.model.decoder: llama, mistral, qwen2,
+# qwen3, gemma) by tests/test_attacks_families.py. Every other attack, a plugin's included,
+# runs on GPT-2 only until it is added there: `check_family` refuses it on another family.
+ROPE_FAMILIES_VERIFIED = frozenset({
+    "ridge", "activation", "activation_flop_matched", "joint", "random_candidates",
+    "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip", "sip_linear",
+    "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp"})
+
+
+def supports_family(name: str, family: str) -> bool:
+  """Whether attack `name` runs on a model of `family` (a config's `family`)."""
+  return family == "gpt2" or name in ROPE_FAMILIES_VERIFIED
+
+
+def check_family(spec: AttackSpec, cfg) -> None:
+  """Raises IncompatibleCaptureError if the attack has not been made to work on the
+  attacker's model family yet."""
+  family = getattr(cfg, "family", "gpt2")
+  if not supports_family(spec.name, family):
+    raise IncompatibleCaptureError(f"attack {spec.name} does not support family {family} yet")
 
 
 def check_compatible(spec: AttackSpec, observed: set[str] | frozenset[str], knowledge: str,

@@ -25,7 +25,8 @@ import functools
 import json
 import math
 import time
-from typing import Any, Callable
+import types
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -227,8 +228,16 @@ class Workspace:
     batch_docs: [B] documents in each document's training batch at capture time; the
       server's loss is the mean over batch_docs * (T - 1) positions, which scales g.
     defense: the capture's public defense description (name, params) or None.
-    capture_dir: the capture's directory, for attacks that read files stored with it and
-      covered by its manifest (an active server's decoder, lla.active.attack).
+    capture_files: name -> bytes of the files stored with the capture for its attacks,
+      checked against its manifest (an active server's decoder, lla.active.attack); never
+      the ground truth (lla.capture.store.attack_files). Read-only.
+    capture_info: the blocks of the capture's metadata an attack may read
+      (lla.capture.store.ATTACK_METADATA, e.g. `active`); never document ids, the session
+      or a path. Read-only.
+
+  A workspace holds arrays and metadata only: no ground truth, no document ids and no path
+  to the capture, the study or the defender's key store (the replay driver keeps those;
+  docs/writing_an_attack.md, "What an attack can reach").
   """
 
   activations: np.ndarray
@@ -243,7 +252,8 @@ class Workspace:
   calibration_transform: Callable[[np.ndarray], np.ndarray] | None = None
   batch_docs: np.ndarray | None = None
   defense: dict | None = None
-  capture_dir: str | None = None
+  capture_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+  capture_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
   _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
@@ -256,6 +266,9 @@ class Workspace:
   def __post_init__(self):
     if self.batch_docs is None:
       self.batch_docs = np.full(self.num_docs, self.num_docs, np.int32)
+    self.capture_files = types.MappingProxyType(
+        {str(k): bytes(v) for k, v in dict(self.capture_files).items()})
+    self.capture_info = types.MappingProxyType(json.loads(json.dumps(dict(self.capture_info))))
 
   @property
   def num_docs(self) -> int:
@@ -472,7 +485,7 @@ class Workspace:
 
   def gradient_ranked(self, num: int, gradients: np.ndarray, stage: str) -> np.ndarray:
     """[B, T, num] tokens ranked by <-g[t-1], wte[v]> (stage `stage`)."""
-    wte, vocab = self.wte, self.cfg.vocab_size
+    wte, vocab = split.output_table(self.params), self.cfg.vocab_size  # the output head
     analytic = cand_lib.candidate_flops(self.num_docs * self.seq_len, vocab, self.cfg.n_embd)
     compute = lambda: self.map_call(
         cand_lib.gradient_ranked_tokens, (gradients,),

@@ -48,7 +48,7 @@ from lla.attacks.workspace import Workspace
 from lla.defenses import aware
 from lla.defenses.activations import clip_rows
 from lla.model import split
-from lla.model.gpt2 import GPT2, GPT2Config
+from lla.model.gpt2 import GPT2Config
 
 budget_lib.declare("likelihood_candidates", 32, int, low=1, high=budget_lib.VOCAB,
                    doc="likelihood beam: candidates per position", source="lla")
@@ -108,10 +108,10 @@ def mechanism_of(ws: Workspace, budget) -> Mechanism:
 def _server_logprobs(params, cfg: GPT2Config, k: int, server_cache, h_prev, t):
   """log p(. | prefix) [V] from the client row of position t - 1 and the server's cache;
   returns it with the server's new cache entry."""
-  model = GPT2(cfg)
+  model = split.module(cfg)
   x, kv = model.apply({"params": params}, h_prev, server_cache, jnp.maximum(t - 1, 0), k,
-                      cfg.n_layer, method=GPT2.blocks_step)
-  logits = model.apply({"params": params}, x[None], method=GPT2.head)[0]
+                      cfg.n_layer, method="blocks_step")
+  logits = model.apply({"params": params}, x[None], method="head")[0]
   return jax.nn.log_softmax(logits), kv
 
 
@@ -156,8 +156,8 @@ def start(target, cfg: GPT2Config, k: int, width: int):
   seq_len, d = target.shape[1], cfg.n_embd
 
   def one(_):
-    client = jnp.zeros((width, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
-    server = jnp.zeros((width, cfg.n_layer - k, 2, seq_len, cfg.n_head, cfg.head_dim),
+    client = jnp.zeros((width, k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
+    server = jnp.zeros((width, cfg.n_layer - k, 2, seq_len, cfg.n_kv_head, cfg.head_dim),
                        jnp.float32)
     tokens = jnp.zeros((width, seq_len), jnp.int32)
     scores = jnp.full((width,), jnp.inf, jnp.float32).at[0].set(0.0)

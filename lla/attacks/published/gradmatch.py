@@ -52,6 +52,7 @@ import optax
 from lla.attacks.published import bisr_f
 from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
+from lla.attacks import flops
 from lla.attacks import registry
 from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
@@ -241,7 +242,7 @@ def optimise(ws: Workspace, name: str, hyper: Hyper, init: InitFn, position0: np
   """
   if ws.gradients is None:
     raise ValueError(f"{name} needs the backward messages g; the capture holds none")
-  wte, arrays = ws.wte, hyper.arrays()
+  wte, arrays = split.output_table(ws.params), hyper.arrays()  # labels enter via the head
   has_position0 = position0 is not None
   position0 = (np.zeros(ws.num_docs, np.int32) if position0 is None
                else np.asarray(position0, np.int32))
@@ -499,3 +500,27 @@ registry.register(BisrAttack(registry.AttackSpec(
     capabilities=GM_CAPABILITIES,
     checks=(("synthetic", "tests/test_attacks_gradmatch.py::test_bisr_chain_runs_b_then_f",
              "the chain's BiSR(f) starts from BiSR(b)'s tokens and keeps or improves them"),))))
+
+
+# Analytic FLOPs (lla.attacks.flops). TAG: the loop and position 0 from the ridge's
+# candidates; BiSR(b): the shared `bisr_b[...]` stage from SIP's logits (SIP's stage beside
+# it); BiSR: that stage, then BiSR(f)'s refinement.
+
+
+def position0_stage_flops(s: flops.Shape, budget: dict) -> float:
+  """Position 0 by the activation beam search's first step, with the ranking it reads."""
+  return position0_flops(s, int(budget["candidates"])) + flops.activation_ranking(s)
+
+
+def backward_stage_flops(s: flops.Shape, budget: dict) -> float:
+  """The `bisr_b[...]` stage from SIP (GRU) logits, with SIP's stage."""
+  return (loop_flops(s, int(budget["bisr_b_steps"])) + sip.inference_flops(s, budget)
+          + 5.0 * s.num_docs * s.seq_len * s.cfg.vocab_size + sip.stage_flops(s, budget))
+
+
+flops.declare_flops("tag", lambda s, budget: (loop_flops(s, int(budget["tag_steps"]))
+                                              + position0_stage_flops(s, budget)))
+flops.declare_flops("bisr_b", backward_stage_flops)
+flops.declare_flops("bisr", lambda s, budget: (
+    backward_stage_flops(s, budget)
+    + bisr_f.refine_flops(s.cfg, s.cut, s.num_docs, s.seq_len, int(budget["bisr_f_steps"]))))

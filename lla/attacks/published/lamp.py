@@ -40,10 +40,12 @@ import optax
 
 from lla.attacks import budget as budget_lib
 from lla.attacks import downstream
+from lla.attacks import flops
 from lla.attacks.published import gradmatch
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
-from lla.model.gpt2 import GPT2, GPT2Config
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
 
 budget_lib.declare("lamp_steps", 800, int, low=0, doc="LAMP: AdamW steps of the TAG loop",
                    source="SplitLLM [EXP]LAMP.sh gpt2-large")
@@ -134,7 +136,7 @@ def score_candidates(params, lin: downstream.Linearized, norm, target, gt, posit
     (score [C, K], matching loss [C, K], prior NLL [C, K], perm [C, K, T]).
   """
   c, t, _ = gt.shape
-  wte = params["wte"]["embedding"]
+  wte = split.output_table(params)  # labels enter through the output head
   keys = jax.vmap(lambda doc: gradmatch.document_key(key, doc, 1 + phase))(doc_index)
   perms = jax.vmap(lambda k: jax.vmap(lambda i: candidate_permutation(k, i, t))(candidates))(keys)
   projected = jnp.einsum("ctv,vd->ctd", jax.nn.softmax(gt, axis=-1), wte)
@@ -144,7 +146,7 @@ def score_candidates(params, lin: downstream.Linearized, norm, target, gt, posit
   matching = beta * jnp.sum(diff**2, axis=(2, 3)) + (1.0 - beta) * jnp.sum(jnp.abs(diff), (2, 3))
   tokens = jnp.argmax(gt, axis=-1).astype(jnp.int32).at[:, 0].set(position0)
   moved_tokens = jax.vmap(lambda x, p: x[p])(tokens, perms).reshape(-1, t)  # [C * K, T]
-  logits = GPT2(cfg).apply({"params": params}, moved_tokens)
+  logits = split.module(cfg).apply({"params": params}, moved_tokens)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], moved_tokens[:, 1:])
   nll = nll.mean(-1).reshape(c, -1)
   return matching + prior_weight * nll, matching, nll, perms
@@ -284,3 +286,17 @@ registry.register(LampAttack(registry.AttackSpec(
             ("synthetic",
              "tests/test_attacks_gradmatch.py::test_lamp_discrete_step_never_raises_score",
              "the identity candidate bounds each phase's chosen score")))))
+
+
+# Analytic FLOPs (lla.attacks.flops): TAG's loop and position 0, plus one phase of
+# candidate scoring every lamp_freq steps.
+
+
+def _lamp_flops(s: flops.Shape, budget: dict) -> float:
+  steps = int(budget["lamp_steps"])
+  num_phases = len(range(0, steps, int(budget["lamp_freq"])))
+  return (gradmatch.loop_flops(s, steps) + gradmatch.position0_stage_flops(s, budget)
+          + s.num_docs * num_phases * phase_flops(s, int(budget["lamp_candidates"])))
+
+
+flops.declare_flops("lamp", _lamp_flops)

@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ import numpy as np
 from kernels import vocab_topk
 from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
+from lla.attacks import flops
 from lla.attacks import registry
 from lla.attacks import ridge
 from lla.attacks import workspace as workspace_lib
@@ -371,7 +373,7 @@ def empty_record(cfg: GPT2Config, k: int, num: int) -> dict:
   return {"rel": jnp.full((num,), jnp.inf, jnp.float32),
           "runner": jnp.full((num,), jnp.inf, jnp.float32),
           "token": jnp.zeros((num,), jnp.int32),
-          "kv": jnp.zeros((num, k, 2, cfg.n_head, cfg.head_dim), jnp.float32)}
+          "kv": jnp.zeros((num, k, 2, cfg.n_kv_head, cfg.head_dim), jnp.float32)}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -423,7 +425,7 @@ def calibrate(ws: Workspace, settings: Settings, meter: Meter,
   if settings.refine_iters:
     e_hat = meter("calibration", 2.0 * n * seq_len * cfg.n_embd**2, ridge.decode,
                   decoder.weights, decoder.mu_h, decoder.mu_e, batched)
-  cache = jnp.zeros((n, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
+  cache = jnp.zeros((n, k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
   visited = jnp.zeros((n, cfg.vocab_size), jnp.bool_)
   idx, ones = jnp.arange(n, dtype=jnp.int32), jnp.ones((n, 1), jnp.bool_)
   worst, contractions = 0.0, []
@@ -496,7 +498,7 @@ class ChunkSearch:
     h, e_hat = jnp.asarray(h), jnp.asarray(e_hat)
     proposals, counts, doc_index = np.asarray(proposals), np.asarray(counts), np.asarray(doc_index)
     self.n, self.search, self.brute = n, np.asarray(search), np.asarray(brute)
-    cache = jnp.zeros((n, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
+    cache = jnp.zeros((n, k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
     if prefix_kv is not None:
       cache = self.meter("commit", 0.0, commit, cache, {"kv": jnp.asarray(prefix_kv)},
                          jnp.int32(0))
@@ -817,3 +819,32 @@ registry.register(SipIt(registry.AttackSpec(
          "tests/test_attacks_sipit.py::test_sipit_deterministic_and_chunking_invariant",
          "repeated runs and one-document chunks give the same predictions and statistics"),
     ))))
+
+
+def _lower_bound_flops(s: flops.Shape, budget: dict) -> float:
+  """What every run does (lla.attacks.flops, a lower bound): the calibration of the
+  tolerance, the ridge decode, the proposal stages and one proposal batch per document and
+  position (one document at position 0, whose search documents with the same h_0 share).
+  Where a proposal is accepted the search stops; refinement, policy and brute force come
+  on top, as the data require."""
+  settings = Settings.from_budget(types.SimpleNamespace(**budget))
+  d, t = s.cfg.n_embd, s.seq_len
+  step = token_step_flops(s.cfg, s.cut, t)
+  n = min(settings.calibration_docs, s.n_calibration)
+  calibration = 2.0 * n * t * step
+  if settings.refine_iters:
+    calibration += 2.0 * n * t * d * d + 2.0 * n * t * step
+  # The ridge fit (`ridge`, which the ridge ranking includes) and the decode.
+  total = calibration + 2.0 * s.num_docs * t * d * d + (
+      flops.activation_ranking(s) if settings.ridge_candidates else flops.ridge_fit(s))
+  gradient = bool(settings.gradient_candidates) and s.gradients
+  if gradient:
+    total += flops.gradient_ranking(s)
+  if settings.ridge_candidates:  # position 0 has ridge proposals only
+    total += settings.batch * step
+  if (gradient or settings.ridge_candidates) and t > 1:
+    total += (t - 1) * s.num_docs * settings.batch * step
+  return total
+
+
+flops.declare_flops("sipit", _lower_bound_flops, lower_bound=True)

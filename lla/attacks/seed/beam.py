@@ -49,7 +49,7 @@ def _doc_step(params, cfg: GPT2Config, carry, position):
 
 
 def _init_carry(cfg: GPT2Config, k: int, width: int, seq_len: int):
-  cache = jnp.zeros((width, k, 2, seq_len, cfg.n_head, cfg.head_dim), jnp.float32)
+  cache = jnp.zeros((width, k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
   tokens = jnp.zeros((width, seq_len), jnp.int32)
   scores = jnp.full((width,), jnp.inf, jnp.float32).at[0].set(0.0)
   return cache, tokens, scores
