@@ -289,16 +289,20 @@ def test_replay_binary_seals_its_run_and_a_later_replay_extends_it(setup, tmp_pa
   assert rundir.verify(str(workdir)) == []
   kinds = [e["type"] for e in log_events(workdir)]
   assert kinds.count("seal") == 3 and kinds.count("reopen") == 2 and kinds[-1] == "seal"
-  # The scorecard predates the new records: rescore rebuilds it (and reseals the run).
+  # The scorecard predates the new records and the threat space the second replay recorded
+  # (its registry held the plugin): rescore rebuilds it (and reseals the run).
   proc = _binary("rescore", f"--workdir={workdir}")
-  assert proc.returncode == 0 and "3 record/prediction file(s) written since" in proc.stdout, \
-      proc.stdout + proc.stderr[-2000:]
+  assert proc.returncode == 0 and ("4 file(s) written since it was (inputs/threat_space.json, "
+                                   "predictions/gradient_only.npy, records/boom_plugin.json, "
+                                   "...;") in proc.stdout, proc.stdout + proc.stderr[-2000:]
   card = files.read_json(str(workdir / rundir.SCORECARD_JSON))
-  # The plugin is not registered in the rescoring process: listed as unplaced, visibly.
-  assert card["coverage"]["unplaced"] == [{
-      "run_id": "boom_plugin", "reason": "module 'boom_plugin' not in the registry list"}]
-  assert "- boom_plugin: module 'boom_plugin' not in the registry list" in (
-      workdir / rundir.SCORECARD_MD).read_text()
+  # The plugin is not registered in the rescoring process, but the run's threat space holds
+  # its module: the record is placed by it, in the family 'test' that the declared coverage
+  # grid does not list.
+  reason = "cell ('test', 'activations', 'public', 'none') not in the declared threat space"
+  assert card["coverage"]["unplaced"] == [{"run_id": "boom_plugin", "reason": reason}]
+  assert f"- boom_plugin: {reason}" in (workdir / rundir.SCORECARD_MD).read_text()
+  assert "boom_plugin" in {m["name"] for m in card["inputs"]["modules"]}
   proc = _binary("verify", f"--workdir={workdir}")
   assert proc.returncode == 0, proc.stdout
 

@@ -87,6 +87,8 @@ def test_tiny_gates_decide(finished):
     assert gate["n_seeds"] == 3
     if gate["config"]["defense"] == "decoy_rows":
       assert any("no positive control" in r for r in gate["reasons"]), gate["reasons"]
+      # Decoy frames are an observation kind of their own: only decoy attacks fit them.
+      assert all(n.startswith("decoy_") for n in gate["fitting"]["fitting"]), gate["fitting"]
     else:
       assert gate["envelope"]["floor_pp"] < 1.0, gate["envelope"]
       # tiny skips the published attacks on defended captures: named, so no PASS.
@@ -103,7 +105,9 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
   _, workdir, _ = finished
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
   quality = card["qualification"]
-  assert quality["activation"]["reference_consistency"]["status"] == "pass"
+  # The tiny job runs no declared test (config.qualification): unmeasured, never assumed.
+  assert quality["activation"]["reference_consistency"]["status"] == "unmeasured"
+  assert quality["activation"]["reference_consistency"]["sources"] == ["not run"]
   assert quality["activation"]["real_model"]["status"] == "pass"
   # Each defended configuration: "pass" iff refitting on the defended calibration is at
   # least the unaware attack's excess, recomputed from the gate's pooled figures. Under
@@ -127,8 +131,8 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
   assert adaptation["status"] == "partial"
   cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
            if c["defense"] == "decoy_rows" and c["knowledge"] == "trained"}
-  assert cells[("decoy_structural", "gradients")] == "covered"
-  assert cells[("decoy_content", "activations+gradients")] == "covered"
+  assert cells[("decoy_structural", "decoy_gradients")] == "covered"
+  assert cells[("decoy_content", "decoy_forward+decoy_gradients")] == "covered"
   assert card["coverage"]["unplaced"] == []
 
 
@@ -234,5 +238,5 @@ def test_synthetic_study_report_verifies_and_rescores(synthetic):
       study, json.loads(stored)["inputs"], None)) == stored
   text = report.read_text()
   for defense, decision in SYNTHETIC_DECISIONS.items():
-    assert f"| {defense} | None | **{decision}** |" in text
+    assert f"| {defense} | — | **{decision}** |" in text  # No declared strength.
   assert card["qualification"]["activation"]["real_model"]["status"] == "pass"

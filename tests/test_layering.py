@@ -1,7 +1,8 @@
 """Layering: lower packages never import upper ones, and no module imports itself back
 (a static scan of every import).
 
-evidence (records, logs, run directories) sits below scoring, which reads it; the model sits
+evidence (records, logs, run directories) sits below scoring, which reads it and nothing of
+the attacks, the replay or the study (a verdict is re-derived from a study's files); the model sits
 below training, which trains it; attacks sit below the replay driver and the study that run
 them. An import in the wrong direction, even a lazy one inside a function, fails here with
 the file and line; so does a circle of imports between lla's modules.
@@ -17,6 +18,9 @@ FORBIDDEN = {  # package -> packages it must not import
     "evidence": ("lla.scoring", "lla.attacks", "lla.study", "lla.train", "lla.model"),
     "model": ("lla.train", "lla.attacks", "lla.scoring", "lla.study"),
     "attacks": ("lla.replay", "lla.study", "lla.sweep"),
+    # Scoring is re-derived from a study's files alone: the attack modules it reads are the
+    # study's recorded threat space (lla.scoring.threat_space), never the live registry.
+    "scoring": ("lla.attacks", "lla.replay", "lla.study"),
 }
 
 

@@ -20,11 +20,10 @@ def test_each_cell_keeps_the_base_budget_fields_its_attacks_read():
   shared = cells.expand(config({"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5}, grid))
   by_attack = {tuple(c.config["attacks"]): c for c in shared}
   assert by_attack[("ridge",)].config["budget"] == {"ridge_alpha": 0.5}
-  read = set(registry.relevant_budget({"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5},
-                                 ["tag"]))
-  assert by_attack[("tag",)].config["budget"] == {
-      k: v for k, v in {"tag_steps": 7, "tag_adam_eps": 1e-12, "ridge_alpha": 0.5}.items()
-      if k in read}
+  # TAG reads its steps and Adam epsilon, and ridge_alpha through its position-0 ridge
+  # decoder (PROTOCOL section 4b): every base field above is one of its own.
+  assert by_attack[("tag",)].config["budget"] == {"tag_steps": 7, "tag_adam_eps": 1e-12,
+                                                 "ridge_alpha": 0.5}
   # A field only other attacks read leaves a cell's identity as if it were at its default.
   alone = cells.expand(config({"ridge_alpha": 0.5}, ((("attacks", (("ridge",),)),),)))
   assert alone[0].cell_id == by_attack[("ridge",)].cell_id

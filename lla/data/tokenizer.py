@@ -104,6 +104,18 @@ def from_directory(directory: str | os.PathLike[str]) -> GPT2Tokenizer:
   return GPT2Tokenizer(backend=backend, source=str(directory), sha256=_fingerprint(backend))
 
 
+def definition(tokenizer: GPT2Tokenizer) -> str:
+  """The tokenizer's full definition (the `tokenizers` JSON); its sha256 is `sha256`."""
+  return tokenizer.backend.to_str()
+
+
+def from_definition(text: str, source: str) -> GPT2Tokenizer:
+  """The tokenizer a `definition` describes (e.g. one pinned in a study's inputs)."""
+  backend = tokenizers.Tokenizer.from_str(text)
+  _check_gpt2(backend, source)
+  return GPT2Tokenizer(backend=backend, source=source, sha256=_fingerprint(backend))
+
+
 def from_hub(name: str = "gpt2") -> GPT2Tokenizer:
   """Downloads (or reads from the HF cache) the tokenizer of hub model `name`.
 

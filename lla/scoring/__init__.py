@@ -1,7 +1,9 @@
 """Scoring: metrics, gates, bootstrap, coverage, qualification, scorecard.
 
-The main job calls `score_run(run_dir, cfg, modules, qualification_evidence)`
-(or `build` + `write`), then `lla.evidence.rundir.finalize(run_dir)`.
+The main job records its threat space (lla.scoring.threat_space), calls
+`score_run(run_dir, cfg, qualification_evidence=...)` (or `build` + `write`), then
+`lla.evidence.rundir.finalize(run_dir)`. Scoring reads the study's files alone: it imports
+nothing from lla.attacks, lla.replay or lla.study (tests/test_layering.py).
 """
 
 from lla.scoring.bootstrap import bonferroni

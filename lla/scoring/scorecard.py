@@ -3,9 +3,13 @@
 `build(run_dir, ...)` recomputes every number from the predictions and the
 ground truth; the JSON is canonical (sorted keys, no timestamps, no absolute
 paths), so re-scoring an unchanged run reproduces it byte for byte. The
-declared inputs that are not in the run directory (threat space, module
-registry, qualification evidence, secondary contrasts) are embedded under
-"inputs", so `rescore` can rebuild from the scorecard's own inputs.
+attack modules come from the study's own threat space file (inputs/threat_space.json,
+lla.scoring.threat_space: the registry the study was built with), never from the live
+registry: scoring imports nothing from lla.attacks. The tokenizer that text ROUGE-L
+decodes with is pinned in the study (inputs/tokenizer.json). The declared inputs that
+are not files of the run (the coverage grid, qualification evidence, secondary contrasts)
+are embedded under "inputs", with the threat space file's sha256, so `rescore` rebuilds
+from the study alone.
 """
 
 import collections
@@ -22,8 +26,14 @@ from lla.scoring import metrics
 from lla.scoring import policy as policy_lib
 from lla.scoring import qualification as qualification_lib
 from lla.scoring import similarity
+from lla.scoring import threat_space as threat_space_lib
 
 SCHEMA = "lla.scorecard.v1"
+# `modules` of `build`: read them from the study's threat space file.
+STUDY = "study"
+# The tokenizer text ROUGE-L decodes with, pinned in the study: its definition
+# (tokenizers' JSON), whose sha256 is the tokenizer's fingerprint.
+TOKENIZER_FILE = f"{rundir.INPUTS}/tokenizer.json"
 
 
 def score_records(run_dir: str, records, tokenizer=None
@@ -38,7 +48,8 @@ def score_records(run_dir: str, records, tokenizer=None
     ValueError naming the file when a prediction's hash or shape is wrong.
   """
   tampered = [p for p in rundir.check_against_log(run_dir)
-              if p.split("/")[0] in (rundir.PREDICTIONS, rundir.RECORDS)]
+              if p.split("/")[0] in (rundir.PREDICTIONS, rundir.RECORDS)
+              or p.split(":")[0] in (threat_space_lib.FILE, TOKENIZER_FILE)]
   if tampered:
     raise ValueError(f"{run_dir}: " + "; ".join(tampered) + "; run verify")
   truths, scored, per_doc, similar = {}, [], {}, {}
@@ -154,7 +165,7 @@ def _contrasts(scored, per_doc, pol, secondary) -> dict:
 
 def build(run_dir: str, policy: policy_lib.Policy | None = None,
           threat_space: coverage_lib.ThreatSpace | None = None,
-          modules: list[dict] | None = None,
+          modules: list[dict] | str | None = STUDY,
           qualification_evidence: list[dict] | None = None,
           secondary: list[tuple[str, str]] = (),
           contrasts: bool = True, tokenizer=None) -> dict:
@@ -165,8 +176,11 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
       records/, predictions/ and a log.
     policy: the policy to apply (default scorecard-policy.v3).
     threat_space: the declared threat space for the coverage report.
-    modules: attack registry entries {"name", "family", "observations",
-      "capabilities"} (for coverage and qualification).
+    modules: STUDY (the default): the module entries of the study's threat space file
+      (lla.scoring.threat_space; none if the run records none, which withholds every
+      PASS); or entries given here {"name", "family", "observations", "capabilities"}
+      (synthetic runs, tests, `rescore --against=current`), embedded in "inputs"; None:
+      no modules. For coverage, gates and qualification.
     qualification_evidence: see `qualification.matrix`.
     secondary: (treatment, control) secondary contrasts, Bonferroni-corrected.
     contrasts: False skips the bootstrap (gates only; recorded in "inputs").
@@ -179,6 +193,15 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
   protocol = files.read_json(os.path.join(run_dir, rundir.PROTOCOL))
   records = rundir.load_records(run_dir)
   scored, per_doc, similar = score_records(run_dir, records, tokenizer)
+  modules_file = None
+  if isinstance(modules, str):
+    if modules != STUDY:
+      raise ValueError(f"modules must be a list of entries, None or {STUDY!r}, got "
+                       f"{modules!r}")
+    recorded = threat_space_lib.read(run_dir)
+    modules = recorded.modules if recorded else None
+    modules_file = {"file": threat_space_lib.FILE,
+                    "sha256": recorded.sha256 if recorded else None}
   flags = policy_lib.check(pol, policy_lib.recorded_policy_hash(protocol),
                            rundir.run_started(run_dir))
   rows = []
@@ -238,6 +261,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
           "threat_space": _space_json(threat_space),
           "modules": modules,
           "qualification_evidence": qualification_evidence,
+          "modules_file": modules_file,
           "secondary": [list(p) for p in secondary],
           "contrasts": contrasts,
           "tokenizer_sha256": None if tokenizer is None else tokenizer.sha256,
@@ -273,25 +297,93 @@ def space_from_json(d: dict | None) -> coverage_lib.ThreatSpace | None:
       tuple(tuple(x) for x in d["declared_unmeasured"]))
 
 
-def tokenizer_for(sha256: str | None):
-  """The GPT-2 tokenizer ($LLA_DATA_DIR) a scorecard was built with, checked by hash."""
+def pinned_tokenizer(run_dir: str):
+  """The tokenizer pinned in the study (TOKENIZER_FILE), checked against its own hash, or
+  None if the study pins none."""
+  path = os.path.join(run_dir, TOKENIZER_FILE)
+  if not os.path.exists(path):
+    return None
+  from lla.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    tokenizer = tokenizer_lib.from_definition(data.decode("utf-8"), TOKENIZER_FILE)
+  except Exception as e:  # tokenizers raises its own exception types.
+    raise ValueError(f"{path}: not a readable tokenizer definition ({e})") from None
+  if tokenizer.sha256 != files.sha256_bytes(data):
+    raise ValueError(f"{path}: its sha256 is not the fingerprint of the tokenizer it defines")
+  return tokenizer
+
+
+def pin_tokenizer(run_dir: str, tokenizer) -> None:
+  """Writes `tokenizer`'s definition into the study (logged) unless it pins it already.
+
+  Raises:
+    ValueError: the study pins another tokenizer.
+  """
+  path = os.path.join(run_dir, TOKENIZER_FILE)
+  if os.path.exists(path):
+    logged = rundir.logged_files(run_dir).get(TOKENIZER_FILE)
+    if logged is not None and logged[0] != tokenizer.sha256:
+      raise ValueError(f"{path}: the study pins another tokenizer ({logged[0][:12]}...) than "
+                       f"{tokenizer.source} ({tokenizer.sha256[:12]}...)")
+    if logged is not None and files.sha256_file(path) == tokenizer.sha256:
+      return
+    # Written but never logged (a writer stopped between the two): written again, logged.
+    # Changed after it was logged: refused (as scoring and verify refuse it).
+    if logged is not None:
+      raise ValueError(f"{path}: differs from the sha256 the log recorded; run verify")
+  from lla.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  data = tokenizer_lib.definition(tokenizer).encode("utf-8")
+  if files.sha256_bytes(data) != tokenizer.sha256:
+    raise ValueError(f"tokenizer {tokenizer.source}: its definition does not hash to its "
+                     "fingerprint")
+  rundir.save_file(run_dir, TOKENIZER_FILE, data, "input_file", overwrite=True)
+
+
+def tokenizer_for(run_dir: str, sha256: str | None):
+  """The tokenizer a scorecard was built with, checked by hash: the one pinned in the
+  study; for a study that pins none (made before studies pinned theirs), the GPT-2
+  tokenizer of $LLA_DATA_DIR."""
   if sha256 is None:
     return None
-  from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
-  tokenizer = load_tokenizer()
+  tokenizer = pinned_tokenizer(run_dir)
+  where = TOKENIZER_FILE
+  if tokenizer is None:
+    from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+    tokenizer, where = load_tokenizer(), "the tokenizer found"
   if tokenizer.sha256 != sha256:
-    raise ValueError(f"the tokenizer found ({tokenizer.sha256[:12]}...) is not the one the "
+    raise ValueError(f"{where} ({tokenizer.sha256[:12]}...) is not the tokenizer the "
                      f"scorecard was built with ({sha256[:12]}...)")
   return tokenizer
 
 
 def build_from_inputs(run_dir: str, inputs: dict,
-                      policy: policy_lib.Policy | None = None) -> dict:
-  """Rebuilds a scorecard from the "inputs" section of an earlier one."""
-  return build(run_dir, policy, space_from_json(inputs.get("threat_space")),
-               inputs.get("modules"), inputs.get("qualification_evidence"),
+                      policy: policy_lib.Policy | None = None,
+                      refresh: bool = False) -> dict:
+  """Rebuilds a scorecard from the "inputs" section of an earlier one.
+
+  A scorecard whose modules came from the study's threat space file reads that file
+  again: it must be the file the scorecard was built from (its sha256), unless `refresh`
+  (the study was extended since: rebuild with what it holds now).
+
+  Raises:
+    ValueError: the threat space file changed since (without `refresh`).
+  """
+  modules_file = inputs.get("modules_file")
+  modules = STUDY if modules_file is not None else inputs.get("modules")
+  card = build(run_dir, policy, space_from_json(inputs.get("threat_space")),
+               modules, inputs.get("qualification_evidence"),
                [tuple(p) for p in inputs.get("secondary", [])],
-               inputs.get("contrasts", True), tokenizer_for(inputs.get("tokenizer_sha256")))
+               inputs.get("contrasts", True),
+               tokenizer_for(run_dir, inputs.get("tokenizer_sha256")))
+  now = card["inputs"]["modules_file"]
+  if modules_file is not None and not refresh and now != modules_file:
+    raise ValueError(f"{threat_space_lib.FILE}: not the threat space the scorecard was "
+                     f"built from (sha256 {str(now['sha256'])[:12]}... != "
+                     f"{str(modules_file['sha256'])[:12]}...); the study was extended since: "
+                     "rescore it")
+  return card
 
 
 def to_bytes(card: dict) -> bytes:
@@ -350,6 +442,13 @@ def markdown(card: dict) -> str:
           f"threshold {pol['threshold_pp']} pp, z = {pol['wilson_z']}, "
           f"min seeds {pol['min_seeds']} ({', '.join(pol['seed_fields'])})."]
   out += [f"- FLAG: {f}" for f in pol["flags"]]
+  modules_file = (card.get("inputs") or {}).get("modules_file")
+  if modules_file is not None:
+    out += ["", (f"Attack modules: the {len(card['inputs']['modules'])} of the study's threat "
+                 f"space `{modules_file['file']}` (sha256 `{modules_file['sha256'][:16]}...`)."
+                 if modules_file["sha256"] else
+                 f"Attack modules: none (the study records no threat space "
+                 f"`{modules_file['file']}`).")]
   out += ["", "## Gates", "", "| defense | cut | knowledge | corpus | decision "
           "| envelope pp | floor pp | seeds | reasons |", "|---" * 9 + "|"]
   for g in card["gates"]:
@@ -443,7 +542,7 @@ def markdown(card: dict) -> str:
     for name, q in sorted(card["qualification"].items(),
                           key=lambda kv: (kv[1].get("tier", "passive") != "passive", kv[0])):
       out.append(f"| {name} | {q.get('tier', 'passive')} | " + " | ".join(
-          q[k]["status"] for k in qualification_lib.KINDS) +
+          qualification_lib.cell_text(q[k]) for k in qualification_lib.KINDS) +
                  f" | {', '.join(q['untested_capabilities']) or '-'} |")
   return "\n".join(out) + "\n"
 
@@ -457,7 +556,7 @@ def threat_space_from_config(cfg) -> coverage_lib.ThreatSpace:
       tuple(tuple(x) for x in t["declared_unmeasured"]))
 
 
-def score_run(run_dir: str, cfg, modules: list[dict] | None = None,
+def score_run(run_dir: str, cfg, modules: list[dict] | str | None = STUDY,
               qualification_evidence: list[dict] | None = None,
               overwrite: bool = False) -> dict:
   """Builds and writes scorecard.json / scorecard.md for a finished run.
@@ -467,18 +566,21 @@ def score_run(run_dir: str, cfg, modules: list[dict] | None = None,
   Args:
     run_dir: the run directory.
     cfg: configs/scoring.py config (policy, threat_space, secondary).
-    modules: attack registry entries as dicts; None: every registered attack's
-      (lla.attacks.registry.module_entries), so that coverage places every record.
+    modules: STUDY (the default): the study's threat space file (recorded by whoever
+      built the study: lla.replay.driver.record_threat_space); or entries given here, as
+      in `build`.
     qualification_evidence: see `qualification.matrix`.
     overwrite: replace an existing scorecard (otherwise FileExistsError).
   """
-  if modules is None:
-    from lla.attacks import registry  # pylint: disable=g-import-not-at-top
-    modules = registry.module_entries()
   tokenizer = None
   if cfg.text_rouge:
-    from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
-    tokenizer = load_tokenizer()
+    # The study's own tokenizer; the first scoring pins the GPT-2 tokenizer of
+    # $LLA_DATA_DIR, so that every rescore after it needs nothing outside the study.
+    tokenizer = pinned_tokenizer(run_dir)
+    if tokenizer is None:
+      from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+      tokenizer = load_tokenizer()
+    pin_tokenizer(run_dir, tokenizer)
   card = build(run_dir, policy_lib.load_policy(cfg.policy),
                threat_space_from_config(cfg.threat_space), modules,
                qualification_evidence, [tuple(p) for p in cfg.secondary],
