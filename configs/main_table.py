@@ -142,14 +142,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
   config.decoy.num_seeds = 9 if paper else 3
   config.scoring = scoring.get_config()
+  # The qualification matrix's test checks (each module's AttackSpec.checks): their status is
+  # a recorded pytest outcome logged in the study (lla.study.qualification), never assumed.
+  # `outcomes`: a file written by `LLA_TEST_OUTCOMES=FILE python -m pytest -p
+  # lla.study.pytest_outcomes ...` on this checkout, carried into the study; `run_checks`:
+  # the study runs the declared tests itself (minutes); neither: every check `unmeasured`.
+  config.qualification = ml_collections.ConfigDict()
+  config.qualification.outcomes = ""
+  config.qualification.run_checks = False
   # The active-server tier (configs/active.py) on the pre-trained base, its own study under
   # workdir/active; `paper` runs it at the `full` variant.
   config.active = active.get_config("tiny" if tiny else ("full" if paper else "cpu"))
   config.active.enabled = True  # False skips the phase (its report section says so).
-  # FLOP-matched frontier (lla.sweep.frontier): every registered attack family at several
-  # budgets (configs/sweep.py FRONTIER_KNOBS) on the first fine-tuned model at the primary
-  # setting, a sweep of its own under workdir/frontier; the report draws it. The phase fills
-  # in the target's and the base's checkpoints.
+  # FLOP-matched frontier (lla.sweep.frontier): every registered attack family placed at the
+  # FLOP levels of configs/sweep.py (FRONTIER_LEVELS, per document, along the ladders of
+  # FRONTIER_KNOBS) on the first fine-tuned model at the primary setting, a sweep of its own
+  # under workdir/frontier; the report draws it and compares every pair at their common
+  # levels. The phase fills in the target's and the base's checkpoints.
   config.frontier = ml_collections.ConfigDict()
   config.frontier.enabled = True  # False skips the phase (its report section says so).
   config.frontier.sweep = sweep.get_config("frontier" if paper else "frontier_cpu")
@@ -166,6 +175,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         (("attacks", (("activation",),)), ("budget.candidates", (2, 4, 8))),
         (("attacks", (("gradient_only",),)),))
     config.frontier.sweep.frontier.untabled = ()
+    config.frontier.sweep.frontier.knobs = ()  # no iso-FLOP placement: the grids alone
+    config.frontier.sweep.frontier.levels = ()
   # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
   # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
   config.memory_budget_mb = 1024 if not paper else 16384

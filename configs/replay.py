@@ -12,6 +12,7 @@ with no calibration .npy, the calibration split of lla.data.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import models
 from lla.attacks import registry
@@ -44,6 +45,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Defended captures: run_id prefix of the linked undefended reference run; each attack
   # links prefix + its name.
   config.reference_prefix = ""
+  # Defense-aware attacks (e.g. activation_defense_aware): the attacker's own seed for passing
+  # its calibration through the capture's defense mechanism (public parameters, read from the
+  # capture). Required for those attacks and refused for the others; recorded in E.K.
+  config.calibration_defense_seed = config_dict.placeholder(int)
   config.run_prefix = ""  # Prefix of each record's run_id.
   # Per-chunk working set on CPU; documents are chunked to fit. On GPU and TPU chunks are
   # sized from the devices' free memory instead (lla.attacks.memory.chunk_budget_bytes).

@@ -1,20 +1,63 @@
-"""The qualification matrix the main job produces: tests named by AttackSpec.checks exist, and
-the run-derived items carry the study's own numbers (a synthetic study with known answers)."""
+"""The qualification matrix is measured: a declared check's status is its test's recorded
+outcome, logged in the study, and a check that did not run is `unmeasured`, never `pass`.
+
+A throw-away repository holds a passing, a failing and a parametrised test; modules declare
+checks naming them and a test that does not exist. The study runs them (pytest in a
+subprocess with lla's outcomes plugin) or carries a file such a run wrote, and each cell
+is compared with what the test knows by construction: which test passes, which fails, the
+sha256 of each test file and of its recorded claim, computed here by hand. The run-derived
+items carry the numbers of a synthetic study with known answers.
+"""
 
 import ast
+import hashlib
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
+import lla
+from lla import provenance
 from lla.attacks import registry
+from lla.evidence import rundir
 from lla.scoring import policy as policy_lib
 from lla.scoring import qualification as matrix_lib
 from lla.scoring import scorecard
 from lla.scoring import synthetic as syn
+from lla.study import pytest_outcomes
 from lla.study import qualification
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 POL = policy_lib.load_policy()
+
+FAKE = '''\
+import pytest
+
+
+def test_passes():
+  assert 1 + 1 == 2
+
+
+def test_fails():
+  assert 1 + 1 == 3, "wrong on purpose"
+
+
+@pytest.mark.parametrize("x", [1, 2])
+def test_cases(x):
+  assert x > 0
+'''
+FILE = "tests/test_fake_checks.py"
+PASSES, FAILS, CASES = f"{FILE}::test_passes", f"{FILE}::test_fails", f"{FILE}::test_cases"
+MISSING = f"{FILE}::test_never_written"
+MODULES = [
+    {"name": "good", "checks": [("synthetic", PASSES, "adds"),
+                                ("reference_consistency", CASES, "both cases")]},
+    {"name": "bad", "checks": [("synthetic", FAILS, "adds wrongly"),
+                               ("reference_consistency", MISSING, "never written")]},
+]
 
 
 def test_every_check_names_a_test_of_this_repository():
@@ -32,6 +75,107 @@ def test_every_check_names_a_test_of_this_repository():
     assert function in defined, (name, test)
 
 
+@pytest.fixture()
+def fake_repo(tmp_path):
+  (tmp_path / "tests").mkdir()
+  (tmp_path / FILE).write_text(FAKE)
+  return tmp_path
+
+
+def claim_sha(test_id, outcome, file_bytes, report: str) -> str:
+  """The recorded claim's hash, written out here (lla.study.pytest_outcomes)."""
+  commit = provenance._git_commit() or "unknown"  # pylint: disable=protected-access
+  claim = {"test": test_id, "outcome": outcome, "lla_version": lla.__version__,
+           "git_commit": commit, "test_file_sha256": hashlib.sha256(file_bytes).hexdigest(),
+           "report_sha256": hashlib.sha256(report.encode()).hexdigest()}
+  return hashlib.sha256(json.dumps(claim, sort_keys=True, separators=(",", ":"))
+                        .encode()).hexdigest()
+
+
+def by_check(items) -> dict:
+  return {(i["module"], i["evidence"]): i for i in items}
+
+
+def test_without_recorded_outcomes_every_check_is_unmeasured():
+  items = qualification.from_checks(MODULES, None)
+  assert [i["status"] for i in items] == ["unmeasured"] * 4
+  assert {i["source"] for i in items} == {"not run"}
+  q = matrix_lib.matrix(MODULES, items)
+  assert q["good"]["synthetic"]["status"] == "unmeasured"
+  assert matrix_lib.cell_text(q["good"]["synthetic"]) == "unmeasured (not run)"
+  # And the real registry: no declared check is `pass` when nothing ran.
+  modules = registry.module_entries()
+  assert {i["status"] for i in qualification.from_checks(modules, None)} == {"unmeasured"}
+
+
+def test_the_study_runs_the_checks_and_each_cell_is_its_outcome(fake_repo, tmp_path_factory):
+  document = qualification.run_checks(qualification.check_ids(MODULES), root=fake_repo)
+  tests = document["tests"]
+  # Ran: the passing, the failing and both cases; the missing test has no outcome.
+  assert sorted(tests) == sorted([PASSES, FAILS, f"{CASES}[1]", f"{CASES}[2]"])
+  assert (tests[PASSES]["outcome"], tests[FAILS]["outcome"]) == ("passed", "failed")
+  file_bytes = (fake_repo / FILE).read_bytes()
+  assert tests[PASSES]["outcome_sha256"] == claim_sha(PASSES, "passed", file_bytes, "")
+  assert "wrong on purpose" not in json.dumps(tests)  # the report is hashed, not stored
+  study = str(tmp_path_factory.mktemp("study") / "study")
+  rundir.create_study(study, {"G": {"policy": POL.policy_id, "policy_sha256": POL.sha256}})
+  qualification.record_outcomes(study, qualification.check_outcomes(document, fake_repo),
+                                "run by the study")
+  recorded = qualification.recorded_outcomes(study)
+  assert rundir.logged_files(study)[qualification.OUTCOMES_FILE][0] == hashlib.sha256(
+      (pathlib.Path(study) / qualification.OUTCOMES_FILE).read_bytes()).hexdigest()
+  items = by_check(qualification.from_checks(MODULES, recorded))
+  assert items[("good", PASSES)]["status"] == "pass"
+  assert items[("good", PASSES)]["outcome_sha256"] == claim_sha(PASSES, "passed", file_bytes, "")
+  assert items[("good", PASSES)]["source"] == f"pytest outcome in {qualification.OUTCOMES_FILE}"
+  assert items[("good", CASES)]["status"] == "pass"  # every case passed
+  assert items[("bad", FAILS)]["status"] == "fail"
+  assert items[("bad", MISSING)]["status"] == "unmeasured"
+  assert items[("bad", MISSING)]["source"] == "not run"
+  q = matrix_lib.matrix(MODULES, list(items.values()))
+  assert (q["good"]["synthetic"]["status"], q["good"]["reference_consistency"]["status"],
+          q["bad"]["synthetic"]["status"], q["bad"]["reference_consistency"]["status"]) == (
+              "pass", "pass", "fail", "unmeasured")
+  assert q["good"]["synthetic"]["sources"] == [f"pytest outcome in {qualification.OUTCOMES_FILE}"]
+  # A changed outcomes file is not the study's evidence.
+  path = pathlib.Path(study) / qualification.OUTCOMES_FILE
+  path.write_text(path.read_text().replace('"failed"', '"passed"'))
+  with pytest.raises(ValueError, match="not the file the study's log recorded"):
+    qualification.recorded_outcomes(study)
+
+
+def test_outcomes_are_carried_only_when_they_are_what_they_claim(fake_repo, tmp_path):
+  # A pytest run made outside the study, with the plugin, as a user (or CI) would.
+  out = tmp_path / "outcomes.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "lla.study.pytest_outcomes",
+       "-p", "no:cacheprovider", f"--rootdir={fake_repo}", PASSES, FAILS],
+      cwd=fake_repo, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, **{pytest_outcomes.ENV: str(out)}))
+  assert proc.returncode == 1, proc.stdout[-2000:]  # one test fails on purpose
+  study = str(tmp_path / "study")
+  rundir.create_study(study, {"G": {"policy": POL.policy_id, "policy_sha256": POL.sha256}})
+  qualification.carry_outcomes(study, str(out), root=fake_repo)
+  items = by_check(qualification.from_checks(MODULES, qualification.recorded_outcomes(study)))
+  assert (items[("good", PASSES)]["status"], items[("bad", FAILS)]["status"],
+          items[("good", CASES)]["status"]) == ("pass", "fail", "unmeasured")
+  document = json.loads(out.read_text())
+  # A claim edited after the run: refused.
+  forged = json.loads(out.read_text())
+  forged["tests"][FAILS]["outcome"] = "passed"
+  with pytest.raises(ValueError, match="does not hash what it claims"):
+    qualification.check_outcomes(forged, fake_repo)
+  # Another lla version: refused.
+  with pytest.raises(ValueError, match="lla_version"):
+    qualification.check_outcomes(dict(document, lla_version="0.0.0-other"), fake_repo)
+  # The test file changed since it ran: its outcomes are dropped (unmeasured).
+  (fake_repo / FILE).write_text(FAKE + "\n# edited\n")
+  kept = qualification.check_outcomes(document, fake_repo)
+  assert kept["tests"] == {}
+  items = by_check(qualification.from_checks(MODULES, kept))
+  assert items[("good", PASSES)]["status"] == "unmeasured"
+
+
 @pytest.fixture(scope="module")
 def card(tmp_path_factory):
   root = tmp_path_factory.mktemp("qual")
@@ -45,7 +189,8 @@ def card(tmp_path_factory):
               syn.Spec("activation", "beam_inversion", 8, m, defense="gaussian"),
               syn.Spec("activation_defense_aware", "beam_inversion", 7, m, defense="gaussian")]
   syn.make_run(str(root / "run"), str(root / "cap"), specs, POL.sha256)
-  return scorecard.build(str(root / "run"), POL, contrasts=False)
+  return scorecard.build(str(root / "run"), POL, modules=registry.module_entries(),
+                         contrasts=False)
 
 
 def test_run_derived_items_carry_the_studys_numbers(card):
@@ -57,6 +202,7 @@ def test_run_derived_items_carry_the_studys_numbers(card):
   # 30 of 32 tokens per document clears the 1 pp bar; 1 of 32 is below the ~5% baseline.
   assert act["excess_pp"] > POL.positive_control_pp > grad["excess_pp"]
   assert (real["activation"]["status"], real["gradient_only"]["status"]) == ("pass", "partial")
+  assert {i["source"] for i in items} == {qualification.SOURCE_RUNS}
   assert f"{act['excess_pp']:+.2f} pp" in real["activation"]["detail"]
   assert real["activation"]["evidence"] == "runs " + ", ".join(
       f"k6/public/none/m{m}/s0/activation" for m in range(3))
@@ -66,13 +212,18 @@ def test_run_derived_items_carry_the_studys_numbers(card):
   assert set(i["module"] for i in adaptation.values()) == {"activation_defense_aware"}
 
 
-def test_the_matrix_is_built_from_checks_and_runs(card):
+def test_the_matrix_marks_unrun_checks_unmeasured_beside_measured_runs(card):
   modules = registry.module_entries()
-  items = qualification.from_checks(modules) + qualification.from_card(card, modules, POL)
+  items = qualification.from_checks(modules, None) + qualification.from_card(card, modules, POL)
   q = matrix_lib.matrix(modules, items)
-  assert q["activation"]["reference_consistency"]["status"] == "pass"
+  # Nothing ran the declared tests: their cells say so, whatever the runs show.
+  assert q["activation"]["reference_consistency"]["status"] == "unmeasured"
+  assert q["activation"]["reference_consistency"]["sources"] == ["not run"]
+  assert q["decoy_structural"]["synthetic"]["status"] == "unmeasured"
   assert q["activation"]["real_model"]["status"] == "pass"
+  assert q["activation"]["real_model"]["sources"] == [qualification.SOURCE_RUNS]
   assert q["activation_defense_aware"]["adaptation"]["status"] == "partial"  # worst of two
   assert q["gradient_only"]["real_model"]["status"] == "partial"
   assert q["ridge"]["real_model"]["status"] == matrix_lib.NOT_QUALIFIED
-  assert q["decoy_structural"]["synthetic"]["status"] == "pass"
+  text = scorecard.markdown({**card, "qualification": q})
+  assert "| activation | passive | unmeasured (not run) |" in text

@@ -14,7 +14,6 @@ it trained on it (the official threat model); E's V is the active server with th
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -36,19 +35,28 @@ def decoder_bytes(decoder: dict) -> bytes:
                            for k in DECODER_KEYS})
 
 
-def load_decoder(capture_dir: str) -> tuple[dict, dict]:
-  """(decoder arrays, the capture's `active` metadata), checked against the stored hash."""
-  metadata = files.read_json(os.path.join(capture_dir, store.METADATA_FILE))
-  active = metadata.get("active") or {}
-  if not active.get("decoder_sha256"):
-    raise ValueError(f"{capture_dir}: no FSHA decoder is stored with this capture (it was not "
+def decoder_from(capture_files, active: dict, where: str = "capture") -> dict:
+  """The decoder arrays stored with a capture (its attack-side files, name -> bytes), checked
+  against the hash in the capture's `active` metadata."""
+  if not (active or {}).get("decoder_sha256"):
+    raise ValueError(f"{where}: no FSHA decoder is stored with this capture (it was not "
                      "written by a hijacking server)")
-  path = os.path.join(capture_dir, active.get("decoder_file", DECODER_FILE))
-  with open(path, "rb") as f:
-    raw = f.read()
+  name = active.get("decoder_file", DECODER_FILE)
+  if name not in capture_files:
+    raise ValueError(f"{where}: the capture's metadata names decoder {name!r}, which is not "
+                     "among its files")
+  raw = capture_files[name]
   if files.sha256_bytes(raw) != active["decoder_sha256"]:
-    raise ValueError(f"{path}: sha256 differs from the capture's metadata")
-  return load_safetensors(raw), active
+    raise ValueError(f"{where}: {name} sha256 differs from the capture's metadata")
+  return load_safetensors(raw)
+
+
+def load_decoder(capture_dir: str) -> tuple[dict, dict]:
+  """(decoder arrays, the capture's `active` metadata) read from a capture directory (for
+  the tests and tools; an attack gets them through its workspace)."""
+  capture = store.load_capture(capture_dir)
+  active = store.attack_metadata(capture).get("active") or {}
+  return decoder_from(store.attack_files(capture), active, capture_dir), active
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +65,10 @@ class FSHADecode:
 
   def __call__(self, ws, budget, key: jax.Array) -> registry.AttackResult:
     del budget, key  # Deterministic, no knobs: the decoder is what the hijack produced.
-    capture_dir = ws.capture_dir
-    if capture_dir is None:
-      raise ValueError("fsha_decode reads the decoder stored with the capture; this "
-                       "workspace names no capture directory")
-    decoder, active = load_decoder(capture_dir)
+    # The decoder and its hash come with the workspace (files stored with the capture,
+    # checked against its manifest): no path to the capture is needed.
+    active = dict(ws.capture_info.get("active") or {})
+    decoder = decoder_from(ws.capture_files, active)
     vocab = decoder["emb"].shape[0]
     predictions = ws.map_call(
         fsha.invert, (ws.activations,), 8.0 * ws.seq_len * vocab,

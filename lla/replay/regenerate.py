@@ -60,7 +60,8 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
                  else aware.calibration_transform(**mimic),
                  batch_docs=replay.batch_docs(capture.metadata),
                  defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})},
-                 capture_dir=capture.directory)
+                 capture_files=store.attack_files(capture),
+                 capture_info=store.attack_metadata(capture))
   return ws
 
 

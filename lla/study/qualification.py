@@ -1,11 +1,20 @@
 """Qualification evidence of the main job (PROTOCOL section 5: the qualification matrix).
 
-How far each attack module itself is trusted, kept apart from its attack results. Three
-sources, each item naming the test or the runs it rests on:
+How far each attack module itself is trusted, kept apart from its attack results. Each
+item names its status, the test or runs it rests on and where its evidence comes from
+(`source`); nothing is `pass` without a run:
 
-  tests       each module's `AttackSpec.checks`: tests of this repository that compare it
-              with a reference implementation, brute force or known answers. The suite
-              enforces them, so each is `pass` evidence of its kind.
+  tests       each module's `AttackSpec.checks` (kind, test id, what it checks): tests of
+              this repository that compare it with a reference implementation, brute
+              force or known answers. A check's status is its test's recorded outcome
+              (passed -> `pass`, failed or errored -> `fail`), read from the outcomes file
+              the study logs (OUTCOMES_FILE, written by the pytest plugin
+              lla.study.pytest_outcomes): either the study ran the named tests itself
+              (`run_checks`, `python -m pytest TEST_IDS` in a subprocess), or a file such a
+              run wrote elsewhere, under the same lla version and commit, was carried into
+              it (`carry_outcomes`). Each result keeps its test id, lla version, commit and
+              the hash of its outcome. A check with no recorded outcome (not run, skipped,
+              its test file changed since it ran) is `unmeasured`, never `pass`.
   real model  the study's undefended runs on the real (fine-tuned) target: the setting
               where the module's pooled excess over the frequency baseline is largest;
               `pass` if that excess clears the policy's positive-control bar (the module
@@ -18,16 +27,195 @@ sources, each item naming the test or the runs it rests on:
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import lla
+from lla import provenance
+from lla.evidence import files, rundir
 from lla.scoring import policy as policy_lib
 from lla.scoring import scorecard
+from lla.study import pytest_outcomes
+
+OUTCOMES_FILE = f"{rundir.INPUTS}/qualification_outcomes.json"
+# A test's outcome -> the status of the checks that name it (any other: unmeasured).
+STATUS_OF_OUTCOME = {"passed": "pass", "failed": "fail", "error": "fail"}
+SOURCE_RUNS = "study runs"
+NOT_RUN = "not run"
+
+
+def repository_root() -> pathlib.Path:
+  """The checkout lla runs from (the directory holding tests/)."""
+  return pathlib.Path(lla.__file__).resolve().parent.parent
+
+
+def check_ids(modules: list[dict]) -> list[str]:
+  """Every test id the modules' declared checks name, sorted."""
+  return sorted({test for m in modules for _, test, _ in m.get("checks", ())})
+
+
+def _defined(root: pathlib.Path, test_id: str) -> bool:
+  path, _, function = test_id.partition("::")
+  source = root / path
+  if not function or not source.is_file():
+    return False
+  try:
+    tree = ast.parse(source.read_text(), str(source))
+  except SyntaxError:
+    return False
+  return function.partition("[")[0] in {n.name for n in ast.walk(tree)
+                                        if isinstance(n, ast.FunctionDef)}
+
+
+def run_checks(test_ids: list[str], root: str | os.PathLike | None = None,
+               timeout_s: float | None = None) -> dict:
+  """Runs the named tests (`python -m pytest TEST_IDS` in a subprocess, in `root`, default
+  this checkout) with the outcomes plugin; returns the outcomes document it wrote. A test
+  that could not be collected has no outcome (its checks stay unmeasured)."""
+  root = pathlib.Path(root or repository_root())
+  # An id pytest cannot find stops the whole session, so only ids naming a test function
+  # of a file that exists are passed (the others have no outcome).
+  test_ids = [t for t in test_ids if _defined(root, t)]
+  if not test_ids:  # (pytest without ids would run every test under root)
+    return {"schema": pytest_outcomes.SCHEMA, "lla_version": lla.__version__,
+            "git_commit": provenance._git_commit() or "unknown",  # pylint: disable=protected-access
+            "pytest_version": None, "exit_status": None, "tests": {}}
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "outcomes.json")
+    env = dict(os.environ, **{pytest_outcomes.ENV: path})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "lla.study.pytest_outcomes",
+           "-p", "no:cacheprovider", f"--rootdir={root}", *test_ids]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if not os.path.exists(path):
+      raise RuntimeError(f"pytest wrote no outcomes (exit {proc.returncode}): "
+                         f"{(proc.stdout + proc.stderr)[-2000:]}")
+    return files.read_json(path)
+
+
+def check_outcomes(document: dict, root: str | os.PathLike | None = None,
+                   where: str = "outcomes") -> dict:
+  """`document` (lla.study.pytest_outcomes) with its claims checked: its schema, that it
+  was made by this lla version and commit, and each outcome's hash; a test whose file has
+  changed since it ran (its sha256 differs from the file in `root` now) is dropped.
+
+  Raises:
+    ValueError (one line): another schema, lla version or commit, or a hash that does not
+      match what its result claims.
+  """
+  if document.get("schema") != pytest_outcomes.SCHEMA:
+    raise ValueError(f"{where}: schema {document.get('schema')!r}, expected "
+                     f"{pytest_outcomes.SCHEMA!r}")
+  here = {"lla_version": lla.__version__,
+          "git_commit": provenance._git_commit() or "unknown"}  # pylint: disable=protected-access
+  for field, value in here.items():
+    if document.get(field) != value:
+      raise ValueError(f"{where}: made under {field} {document.get(field)!r}, this is "
+                       f"{value!r}: outcomes of another version qualify nothing here")
+  root = pathlib.Path(root or repository_root())
+  kept = {}
+  for test_id, result in sorted(document.get("tests", {}).items()):
+    expected = pytest_outcomes.outcome_sha256(test_id, result, document["lla_version"],
+                                              document["git_commit"])
+    if result.get("outcome_sha256") != expected:
+      raise ValueError(f"{where}: {test_id}: outcome_sha256 does not hash what it claims")
+    if pytest_outcomes._file_sha256(str(root), test_id) != result["test_file_sha256"]:  # pylint: disable=protected-access
+      continue  # The test file changed since: not evidence of the code that is here.
+    kept[test_id] = result
+  return {**document, "tests": kept}
+
+
+def record_outcomes(study: str, document: dict, how: str) -> str:
+  """Logs the outcomes document as the study's OUTCOMES_FILE (replacing an earlier one);
+  `how` says where it came from ("run by the study" or the carried file). Returns its
+  sha256."""
+  data = files.canonical_json({**document, "recorded": how})
+  logged = rundir.logged_files(study).get(OUTCOMES_FILE)
+  if logged is not None and logged[0] == files.sha256_bytes(data):
+    return logged[0]
+  with rundir.extending(study):
+    return rundir.save_file(study, OUTCOMES_FILE, data, "qualification_outcomes",
+                            overwrite=True)
+
+
+def run_and_record(study: str, modules: list[dict], root=None,
+                   timeout_s: float | None = None) -> dict:
+  """Runs every declared check's test and logs the outcomes in the study."""
+  document = check_outcomes(run_checks(check_ids(modules), root, timeout_s), root,
+                            "the study's pytest run")
+  record_outcomes(study, document, "run by the study (python -m pytest TEST_IDS)")
+  return document
+
+
+def carry_outcomes(study: str, path: str, root=None) -> dict:
+  """Carries an outcomes file written elsewhere (LLA_TEST_OUTCOMES=path python -m pytest
+  -p lla.study.pytest_outcomes ...) into the study, after `check_outcomes`."""
+  document = check_outcomes(files.read_json(path), root, path)
+  record_outcomes(study, document, f"carried from a pytest run ({os.path.basename(path)})")
+  return document
+
+
+def recorded_outcomes(study: str) -> dict | None:
+  """The outcomes document the study logs, or None; refused if it differs from its log
+  entry."""
+  path = os.path.join(study, OUTCOMES_FILE)
+  if not os.path.exists(path):
+    return None
+  logged = rundir.logged_files(study).get(OUTCOMES_FILE)
+  if logged is None or logged[0] != files.sha256_file(path):
+    raise ValueError(f"{path}: not the file the study's log recorded; run verify")
+  return files.read_json(path)
+
+
+def _outcome(outcomes: dict, test_id: str) -> tuple[str | None, list[dict]]:
+  """(the test's outcome or None, its results): a test id that names a parametrised test
+  without its case stands for every case (failed if any failed, passed if all passed)."""
+  tests = outcomes.get("tests", {})
+  if test_id in tests:
+    return tests[test_id]["outcome"], [dict(tests[test_id], test=test_id)]
+  cases = [dict(r, test=t) for t, r in sorted(tests.items()) if t.startswith(test_id + "[")]
+  if not cases:
+    return None, []
+  got = {c["outcome"] for c in cases}
+  for outcome in ("error", "failed"):
+    if outcome in got:
+      return outcome, cases
+  return ("passed" if got == {"passed"} else sorted(got - {"passed"})[0]), cases
+
+
+def from_checks(modules: list[dict], outcomes: dict | None = None) -> list[dict]:
+  """An item for every (kind, test id, what it checks) of each module's checks, its status
+  from the test's recorded outcome in `outcomes` (the study's OUTCOMES_FILE); without a
+  recorded outcome, `unmeasured`."""
+  out = []
+  for m in modules:
+    for kind, test, detail in m.get("checks", ()):
+      outcome, results = (None, []) if outcomes is None else _outcome(outcomes, test)
+      item = {"module": m["name"], "kind": kind, "evidence": test, "detail": detail}
+      if outcome is None or outcome not in STATUS_OF_OUTCOME:
+        why = ("the study records no test outcomes" if outcomes is None else
+               "no outcome of this test in the study's record" if outcome is None else
+               f"the test was {outcome}")
+        out.append({**item, "status": "unmeasured", "source": NOT_RUN,
+                    "detail": f"{detail} ({why})"})
+        continue
+      out.append({**item, "status": STATUS_OF_OUTCOME[outcome],
+                  "source": f"pytest outcome in {OUTCOMES_FILE}",
+                  "detail": f"{detail} (pytest: {outcome}, lla {outcomes['lla_version']}, "
+                            f"commit {outcomes['git_commit'][:12]})",
+                  "outcome": outcome,
+                  "outcome_sha256": hashlib.sha256("".join(
+                      r["outcome_sha256"] for r in results).encode()).hexdigest()
+                  if len(results) > 1 else results[0]["outcome_sha256"]})
+  return out
+
 
 _SETTING = ("cut", "knowledge", "corpus")
-
-
-def from_checks(modules: list[dict]) -> list[dict]:
-  """`pass` items for every (kind, test id, what it checks) of each module's checks."""
-  return [{"module": m["name"], "kind": kind, "status": "pass", "evidence": test,
-           "detail": detail} for m in modules for kind, test, detail in m.get("checks", ())]
 
 
 def _runs(card: dict, config: dict, attack_key: str) -> list[str]:
@@ -54,7 +242,7 @@ def from_card(card: dict, modules: list[dict], pol: policy_lib.Policy) -> list[d
   for module, (config, metrics, key) in sorted(best.items()):
     runs = _runs(card, config, key)
     cleared = metrics["excess_pp"] > pol.positive_control_pp
-    out.append({"module": module, "kind": "real_model",
+    out.append({"module": module, "kind": "real_model", "source": SOURCE_RUNS,
                 "status": "pass" if cleared else "partial",
                 "evidence": "runs " + ", ".join(runs),
                 "detail": f"largest undefended excess {metrics['excess_pp']:+.2f} pp over the "
@@ -75,6 +263,7 @@ def from_card(card: dict, modules: list[dict], pol: policy_lib.Policy) -> list[d
         versus = (f"defense-unaware {spec['reference_attack']} "
                   f"{reference['excess_pp']:+.2f} pp")
       out.append({"module": spec["name"], "kind": "adaptation", "status": status,
+                  "source": SOURCE_RUNS,
                   "evidence": "runs " + ", ".join(_runs(card, config, key)),
                   "detail": f"{config['defense_params'].get('label', config['defense'])} "
                             f"({_where(config)}): excess {metrics['excess_pp']:+.2f} pp, "
@@ -83,7 +272,9 @@ def from_card(card: dict, modules: list[dict], pol: policy_lib.Policy) -> list[d
 
 
 def evidence(run_dir: str, policy_name: str, modules: list[dict]) -> list[dict]:
-  """Every qualification item for the modules of a study directory."""
+  """Every qualification item for the modules of a study directory: the checks' recorded
+  outcomes (OUTCOMES_FILE; none recorded: every check unmeasured) and the run-derived
+  items."""
   pol = policy_lib.load_policy(policy_name)
-  card = scorecard.build(run_dir, pol, contrasts=False)
-  return from_checks(modules) + from_card(card, modules, pol)
+  card = scorecard.build(run_dir, pol, modules=modules, contrasts=False)
+  return from_checks(modules, recorded_outcomes(run_dir)) + from_card(card, modules, pol)
