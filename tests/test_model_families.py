@@ -243,11 +243,10 @@ def test_unsupported_fields_are_refused_in_one_line(change, field, tmp_path):
   assert "\n" not in message and field in message, message
 
 
+@pytest.mark.parametrize("ref", ["llama", "qwen3"], indirect=True)  # untied, tied
 def test_lla_checkpoint_roundtrip_records_family(ref, tmp_path):
   """orbax checkpoint of a RoPE family: config (with family) and params restore exactly, the
   HF export is loadable, and load_model reports family and format."""
-  if ref.family not in ("llama", "qwen3"):
-    pytest.skip("one untied and one tied family suffice")
   import ml_collections
 
   from lla.model import checkpoint, loading
