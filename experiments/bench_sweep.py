@@ -22,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from lla.sweep import cells as cells_lib
+from lla.sweep import isoflop
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py:cpu", "Sweep config.",
                                           lock_config=True)
@@ -41,7 +42,7 @@ def _sweep(workdir: str, *extra: str) -> float:
 
 def main(argv):
   del argv
-  cells = cells_lib.expand(_CONFIG.value)
+  cells = cells_lib.expand(isoflop.resolve(_CONFIG.value))
   root = _WORKDIR.value
   sweep_s = _sweep(os.path.join(root, "sweep"), f"--backend={_BACKEND.value}")
   alone = {c.cell_id: _sweep(os.path.join(root, f"alone_{c.cell_id}"), f"--cells={c.cell_id}")

@@ -74,7 +74,8 @@ def group_key(config: dict) -> str:
   return hashlib.sha256(canonical(shared)).hexdigest()[:ID_CHARS]
 
 
-def _assign(config: dict, path: str, value) -> None:
+def assign(config: dict, path: str, value) -> None:
+  """Sets field `path` (e.g. "budget.candidates") of a cell config dict, checked."""
   *parents, leaf = path.split(".")
   node = config
   for i, name in enumerate(parents):
@@ -127,7 +128,7 @@ def expand(config: ml_collections.ConfigDict) -> list[Cell]:
     for values in itertools.product(*(axis[1] for axis in grid)):
       config_dict = copy.deepcopy(base)
       for (path, _), value in zip(grid, values):
-        _assign(config_dict, path, value)
+        assign(config_dict, path, value)
       # The base budget is shared by every cell (e.g. a job's whole budget): each cell keeps
       # the fields its attacks read. A grid axis is never dropped, so `check` refuses one
       # that none of the cell's attacks reads.

@@ -4,8 +4,9 @@
     WORKDIR/captures/   captures, content-addressed (written by workers, once)
     WORKDIR/frontier/   the FLOP-matched comparison, when the config asks for it
 
-Everything is checked before anything runs (every cell's attacks and budget). Finished cells
-are verified by hash and skipped, so a killed sweep resumes. Results are written as cells
+A config with FLOP levels (`frontier.levels`) has its knobbed attacks placed at them first
+(lla.sweep.isoflop). Everything is checked before anything runs (every cell's attacks and
+budget). Finished cells are verified by hash and skipped, so a killed sweep resumes. Results are written as cells
 finish, whichever backend ran them; a cell that failed is reported and left unwritten, so
 the next run retries it. The study is sealed (lla.evidence.rundir.finalize) whenever a run
 ends, and reopened by the next one that has cells to add, so it always verifies with
@@ -23,7 +24,8 @@ from absl import logging
 from tqdm import tqdm
 
 from lla.evidence import rundir
-from lla.sweep import backends, cells as cells_lib, study as study_lib, worker as worker_lib
+from lla.sweep import backends, cells as cells_lib, isoflop, study as study_lib
+from lla.sweep import worker as worker_lib
 
 FRONTIER = "frontier"
 
@@ -54,7 +56,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, backend: str = "local",
     SweepError: after writing every cell that finished, if any failed.
   """
   start = time.perf_counter()
-  cells = cells_lib.expand(config)
+  if isoflop.absolute_levels(config):
+    # Iso-FLOP levels: each attack of `frontier.knobs` placed at each level (lla.sweep.isoflop).
+    logging.info("%s", isoflop.describe(config))
+  cells = cells_lib.expand(isoflop.resolve(config))
   if only:
     unknown = sorted(set(only) - {c.cell_id for c in cells})
     if unknown:

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
+from lla.attacks import flops
 from lla.attacks import optimise, registry
 from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
@@ -196,3 +197,9 @@ registry.register(BisrF(registry.AttackSpec(
              "tests/test_attacks_forward.py::test_bisr_f_lowers_its_loss_and_beats_the_baseline",
              "loss falls and token recovery beats SIP's and the frequency baseline on a random "
              "tiny GPT-2"),))))
+
+
+# Analytic FLOPs (lla.attacks.flops): SIP (trained and applied), then the refinement.
+flops.declare_flops("bisr_f", lambda s, budget: (
+    sip.stage_flops(s, budget) + sip.inference_flops(s, budget)
+    + refine_flops(s.cfg, s.cut, s.num_docs, s.seq_len, int(budget["bisr_f_steps"]))))

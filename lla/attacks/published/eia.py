@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
+from lla.attacks import flops
 from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
 from lla.model import split
@@ -265,3 +266,29 @@ registry.register(Eia(registry.AttackSpec(
              "tests/test_attacks_forward.py::test_eia_lowers_its_loss_and_beats_the_baseline",
              "loss falls and token recovery beats the frequency baseline on a random tiny "
              "GPT-2"),))))
+
+
+# Analytic FLOPs (lla.attacks.flops): the mapper's stage (with the calibration activations
+# it reads) where it is used, then the optimisation of every document.
+
+
+def mapper_flops(s: flops.Shape, epochs: int) -> float:
+  """The `eia_mapper` stage with the calibration activations it reads."""
+  n, t, d = s.n_calibration, s.seq_len, s.cfg.n_embd
+  per_doc = t * (2 * 2 * d * d)
+  return (2.0 * n * t * (12 * d * d + t * d)
+          + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH)
+          + flops.calibration_activations(s))
+
+
+def _eia_flops(s: flops.Shape, budget: dict) -> float:
+  mapped = bool(budget["eia_mapper"]) and s.cut > 1
+  stop, d = (1 if mapped else s.cut), s.cfg.n_embd
+  own = s.num_docs * (int(budget["eia_steps"]) * step_flops(s.cfg, stop, s.seq_len)
+                      + s.seq_len * (2.0 * s.cfg.vocab_size * d
+                                     + stop * (24.0 * d * d + 4.0 * s.seq_len * d)
+                                     + (4.0 * d * d if mapped else 0.0)))
+  return own + (mapper_flops(s, int(budget["eia_mapper_epochs"])) if mapped else 0.0)
+
+
+flops.declare_flops("eia", _eia_flops)

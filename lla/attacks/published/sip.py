@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import zlib
 
 import flax.linen as nn
@@ -48,6 +49,7 @@ import numpy as np
 import optax
 
 from lla.attacks import budget as budget_lib
+from lla.attacks import flops
 from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
 
@@ -394,3 +396,25 @@ for _variant, _name, _what in (("gru", "sip", "GRU(256) inverter"),
           capabilities=("chunking invariance", "seeded training", "held-out epoch selection"),
           checks=_CHECKS),
       _variant))
+
+
+# Analytic FLOPs (lla.attacks.flops): the shared training stage (on the calibration
+# activations, charged beside it) and the inference on every captured message.
+
+
+def stage_flops(s: flops.Shape, budget: dict, variant: str = "gru") -> float:
+  """The `sip_<variant>` stage with the calibration activations it reads."""
+  settings = Settings.from_budget(types.SimpleNamespace(**budget), variant)
+  return (training_flops(settings, s.n_calibration, s.seq_len, s.cfg.n_embd, s.cfg.vocab_size)
+          + flops.calibration_activations(s))
+
+
+def inference_flops(s: flops.Shape, budget: dict, variant: str = "gru") -> float:
+  settings = Settings.from_budget(types.SimpleNamespace(**budget), variant)
+  return s.num_docs * s.seq_len * forward_flops(variant, s.cfg.n_embd, settings.hidden,
+                                                s.cfg.vocab_size)
+
+
+for _variant, _name in (("gru", "sip"), ("linear", "sip_linear")):
+  flops.declare_flops(_name, lambda s, budget, v=_variant: (stage_flops(s, budget, v)
+                                                            + inference_flops(s, budget, v)))

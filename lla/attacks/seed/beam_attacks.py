@@ -15,6 +15,7 @@ import numpy as np
 from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
+from lla.attacks import flops
 from lla.attacks import memory
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
@@ -217,3 +218,39 @@ memory.declare_stages("activation_flop_matched", _flop_matched_stages)
 memory.declare_stages("joint", _joint_stages)
 memory.declare_stages("shuffled_gradients", _joint_stages)
 memory.declare_stages("random_candidates", _random_stages)
+
+
+# Analytic FLOPs (lla.attacks.flops): the search (W*C one-token steps per position) plus the
+# candidate stages it reads.
+
+
+def _search_flops(s: flops.Shape, budget: dict, num: int) -> float:
+  return beam.analytic_flops(s.cfg, s.cut, s.num_docs, int(budget["beam_width"]), num,
+                             s.seq_len)
+
+
+def _activation_flops(s, budget):
+  return _search_flops(s, budget, int(budget["candidates"])) + flops.activation_ranking(s)
+
+
+def _flop_matched_flops(s, budget):
+  c = flop_matched_budget(s, types.SimpleNamespace(**budget))
+  return _search_flops(s, budget, c) + flops.activation_ranking(s)
+
+
+def _joint_flops(s, budget):
+  c = int(budget["c_a"]) + int(budget["c_g"])
+  return (_search_flops(s, budget, c) + flops.activation_ranking(s)
+          + flops.gradient_ranking(s))
+
+
+def _random_flops(s, budget):
+  return _search_flops(s, budget, int(budget["c_a"]) + int(budget["c_g"])) \
+      + flops.activation_ranking(s)
+
+
+flops.declare_flops("activation", _activation_flops)
+flops.declare_flops("activation_flop_matched", _flop_matched_flops)
+flops.declare_flops("joint", _joint_flops)
+flops.declare_flops("shuffled_gradients", _joint_flops)
+flops.declare_flops("random_candidates", _random_flops)

@@ -8,7 +8,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from lla.attacks import memory, registry
+from lla.attacks import flops, memory, registry
 from lla.attacks.workspace import Workspace
 
 
@@ -67,3 +67,8 @@ def _gradient_only_stages(cfg, cut, num_docs, seq_len, budget, materialised):
 memory.declare_stages("ridge", _ridge_stages)
 memory.declare_stages("gradient_only", _gradient_only_stages)
 memory.declare_stages("gradient_only_t1", _gradient_only_stages)
+
+# Analytic FLOPs (lla.attacks.flops): the shared rankings they read off.
+flops.declare_flops("ridge", lambda s, budget: flops.activation_ranking(s))
+flops.declare_flops("gradient_only", lambda s, budget: flops.gradient_ranking(s))
+flops.declare_flops("gradient_only_t1", lambda s, budget: flops.gradient_ranking(s))

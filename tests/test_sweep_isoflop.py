@@ -1,0 +1,141 @@
+"""lla.sweep.isoflop: placing attacks at FLOP levels, against placements worked out by hand.
+
+`place` on a constructed cost function (10 + 5 k FLOPs at knob k) with the nearest rung
+and the tolerance computed here; `resolve` on the test sweep with a constructed FLOP model
+(monkeypatched into lla.attacks.flops): the cells it adds, the per-document levels scaled
+by the cell's documents, a two-knob ladder moving together, an attack without a model
+running every rung; the frontier configs' ladders reaching every family's levels.
+"""
+
+import math
+
+import pytest
+
+from configs import main_table, sweep
+from lla.attacks import flops, registry
+from lla.sweep import cells, isoflop
+
+
+def cost(k: float) -> float:
+  return 10.0 + 5.0 * k
+
+
+def test_place_picks_the_nearest_rung_within_the_tolerance():
+  ladder = (1, 2, 4, 8, 16)
+  costs = [cost(k) for k in ladder]            # 15, 20, 30, 50, 90
+  levels = (12.0, 25.0, 60.0, 200.0, 5.0)
+  # 12: 15 is x1.25 away -> rung 0. 25: 20 is x1.25, 30 is x1.2 -> rung 2. 60: 50 is
+  # x1.2, 90 x1.5 -> rung 3. 200: 90 is x2.2 -> none. 5: 15 is x3 -> none.
+  assert isoflop.place(costs, levels, 1.5) == [0, 2, 3, None, None]
+  # A wider tolerance reaches 200 (x2.22 from 90) but not 5 (x3 from 15).
+  assert isoflop.place(costs, levels, 2.5) == [0, 2, 3, 4, None]
+
+
+def test_place_ties_and_bounds():
+  # 10 and 40 are both x2 from 20: outside x1.5, inside x2 where the cheaper wins.
+  assert isoflop.place([40.0, 10.0], [20.0], 1.5) == [None]
+  assert isoflop.place([40.0, 10.0], [20.0], 2.0) == [1]
+  # Exactly at the bound counts, both ways; a rung without a prediction is never placed.
+  assert isoflop.place([15.0], [10.0], 1.5) == [0]
+  assert isoflop.place([10.0], [15.0], 1.5) == [0]
+  assert isoflop.place([None, 15.1], [10.0], 1.5) == [None]
+  assert isoflop.within(14.999, 10.0, 1.5) and not isoflop.within(15.01, 10.0, 1.5)
+  with pytest.raises(ValueError):
+    isoflop.place([1.0], [1.0], 0.5)
+
+
+@pytest.fixture
+def linear_model(monkeypatch):
+  """activation costs 1000 * (10 + 5 C) per document plus 100 per calibration document."""
+  registry.load_builtin()  # the built-in model is declared, then replaced for the test
+  model = lambda s, budget: (1000.0 * cost(budget["candidates"]) * s.num_docs
+                             + 100.0 * s.n_calibration)
+  monkeypatch.setitem(flops._MODELS, "activation", flops.FlopModel(model))
+  return model
+
+
+def config(knobs, levels, tolerance=1.5):
+  c = sweep.get_config("test")
+  c.cell.data.n_eval = 4
+  c.cell.data.n_calibration = 10
+  c.grids = ((("attacks", (("gradient_only",),)),),)
+  c.frontier.knobs = knobs
+  c.frontier.levels = levels
+  c.frontier.tolerance = tolerance
+  return c
+
+
+def test_resolve_adds_the_placed_cells_before_the_grids(linear_model):
+  knobs = (("activation", (("budget.candidates", (1, 2, 4, 8, 16)),)),)
+  # Per document 12k, 25k, 60k, 200k; 4 documents: 48k, 100k, 240k, 800k per cell.
+  c = config(knobs, (12e3, 25e3, 60e3, 200e3))
+  assert isoflop.absolute_levels(c) == (48e3, 100e3, 240e3, 800e3)
+  # By hand, 4 documents x 1000 x (10 + 5 C) + 10 calibration documents x 100:
+  # C = 1, 2, 4, 8, 16 cost 61k, 81k, 121k, 201k, 361k. 48k: 61k (x1.27). 100k: 81k is
+  # x1.235 away, 121k x1.21 -> C = 4. 240k: 201k (x1.19). 800k: 361k is x2.2: none.
+  placed = isoflop.placements(c)
+  assert [(p.level, p.rung, p.predicted) for p in placed] == [
+      (48e3, 0, 61e3), (100e3, 2, 121e3), (240e3, 3, 201e3), (800e3, None, 361e3)]
+  assert [p.knobs for p in placed] == [{"budget.candidates": 1}, {"budget.candidates": 4},
+                                       {"budget.candidates": 8}, {}]
+  # A fifth level, 80k per cell: 81k (C = 2); placements in level order, then the grids.
+  resolved = isoflop.resolve(config(knobs, (12e3, 25e3, 60e3, 200e3, 20e3)))
+  assert resolved.grids == (
+      (("attacks", (("activation",),)), ("budget.candidates", (1,))),
+      (("attacks", (("activation",),)), ("budget.candidates", (4,))),
+      (("attacks", (("activation",),)), ("budget.candidates", (8,))),
+      (("attacks", (("activation",),)), ("budget.candidates", (2,))),
+      (("attacks", (("gradient_only",),)),))
+  expanded = cells.expand(resolved)
+  assert [(cl.attacks, cl.config["budget"].get("candidates")) for cl in expanded] == [
+      (("activation",), 1), (("activation",), 4), (("activation",), 8), (("activation",), 2),
+      (("gradient_only",), None)]
+  assert "none within the tolerance (nearest rung 3.61e+05)" in isoflop.describe(c)
+  # Two levels placing the same rung give one cell.
+  assert len(isoflop.resolve(config(knobs, (12e3, 12.5e3))).grids) == 2
+  # No levels: every rung, then the grids.
+  assert [cl.config["budget"].get("candidates")
+          for cl in cells.expand(isoflop.resolve(config(knobs, ())))] == [1, 2, 4, 8, 16, None]
+  assert cells.expand(isoflop.resolve(config((), (1e3,)))) == cells.expand(config((), ()))
+
+
+def test_knobs_of_one_attack_move_together(linear_model):
+  # Rung i: (n_calibration, candidates) = (10, 1), (1000, 1), (10, 4): 61k, 160k, 121k.
+  knobs = (("activation", (("data.n_calibration", (10, 1000, 10)),
+                           ("budget.candidates", (1, 1, 4)))),)
+  placed = isoflop.placements(config(knobs, (40e3,)))  # 160k per cell
+  assert [(p.rung, p.knobs, p.predicted) for p in placed] == [
+      (1, {"data.n_calibration": 1000, "budget.candidates": 1}, 4000 * cost(1) + 100e3)]
+  with pytest.raises(cells.SweepConfigError, match="different lengths"):
+    isoflop.placements(config((("activation", (("data.n_calibration", (10, 20)),
+                                               ("budget.candidates", (1,)))),), (1e3,)))
+
+
+def test_an_attack_without_a_model_runs_every_rung(monkeypatch):
+  registry.load_builtin()
+  monkeypatch.delitem(flops._MODELS, "tag")
+  knobs = (("tag", (("budget.tag_steps", (3, 7)),)),)
+  resolved = isoflop.resolve(config(knobs, (1e9,)))
+  assert resolved.grids[:2] == ((("attacks", (("tag",),)), ("budget.tag_steps", (3,))),
+                                (("attacks", (("tag",),)), ("budget.tag_steps", (7,))))
+
+
+@pytest.mark.parametrize("variant", ["cpu", "paper"])
+def test_frontier_ladders_reach_the_levels(variant):
+  """The main job's frontier at both scales: every knobbed attack placed at the levels its
+  ladder spans, each placement within the tolerance, and the families' placed ranges
+  overlapping (every pair of knobbed attacks shares a level)."""
+  c = main_table.get_config(variant).frontier.sweep
+  placed = isoflop.placements(c)
+  tolerance = isoflop.tolerance_of(c)
+  at = {}
+  for p in placed:
+    if p.rung is not None:
+      assert isoflop.within(p.predicted, p.level, tolerance)
+      at.setdefault(p.attack, set()).add(p.level)
+  assert set(at) == {name for name, _ in c.frontier.knobs}
+  names = sorted(at)
+  lonely = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if not at[a] & at[b]]
+  assert lonely == []
+  levels = isoflop.absolute_levels(c)
+  assert len(levels) >= 8 and all(b == pytest.approx(2 * a) for a, b in zip(levels, levels[1:]))
