@@ -30,7 +30,12 @@ from lla.scoring import policy as policy_lib
 from lla.study import defense_sweep
 
 import isolation_probe
+from lla.attacks import registry
 from test_attacks_units import random_params
+
+# Importing the probe registers it (that is how the replay CLI loads it as a plugin); in this
+# process only its functions are used, so the session's registry keeps the built-ins alone.
+registry._REGISTRY.pop("isolation_probe", None)  # pylint: disable=protected-access
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TESTS = pathlib.Path(__file__).resolve().parent
