@@ -25,19 +25,38 @@ It is set once, through JAX's `jax_default_matmul_precision`, so that every jitt
 function sees it when traced; `precision_record()` is what a run records. On CPU only
 float32 exists: asking for another is an error rather than a run that says bf16 and
 computed float32.
+
+Compiled executables are dropped before they exhaust the kernel's memory mappings
+(`release_compiled_when_crowded`): XLA:CPU maps each executable's code and data into
+memory (about six mappings each), JAX's caches keep every executable for the life of the
+process, and Linux refuses an mmap beyond vm.max_map_count (65,530 by default), which
+XLA:CPU does not survive (a segmentation fault while compiling, no error). The tiny main
+job alone compiles about 2,800 executables (17,000 mappings); a study or a test session
+that runs longer crosses the limit. Long-running drivers call it between units of work
+(phases, attacks, sweep cells): when the process holds more than half the limit, every
+cache is dropped and what runs next recompiles (from the persistent cache where it is on).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
+from typing import Callable
 
+from absl import logging
 import jax
 
 ENV_VAR = "LLA_COMPILATION_CACHE_DIR"
 PRECISION_ENV_VAR = "LLA_MATMUL_PRECISION"
 PRECISIONS = ("float32", "tensorfloat32", "bfloat16")
 ACCELERATOR_PRECISION = "tensorfloat32"
+MAP_COUNT_LIMIT_FILE = "/proc/sys/vm/max_map_count"
+# Held above this fraction of vm.max_map_count, compiled executables are dropped: the
+# largest unit of work between two checks (one attack of the tiny main job: under 2,000
+# mappings; one phase of it: under 8,000) fits in the other half many times over.
+CROWDED_FRACTION = 0.5
+_CACHE_CLEARERS: list[Callable[[], None]] = []  # lla's own executable caches
 _JAX_PRECISION = {"float32": "highest", "tensorfloat32": "tensorfloat32",
                   "bfloat16": "bfloat16"}
 
@@ -105,3 +124,40 @@ def precision_record() -> dict:
   setting = jax.config.jax_default_matmul_precision
   return {"matmul_precision": vocab_topk.matmul_precision(setting),
           "jax_default_matmul_precision": setting, "backend": jax.default_backend()}
+
+
+def register_executable_cache(clear: Callable[[], None]) -> None:
+  """Registers `clear`, which empties one of lla's own caches of compiled executables
+  (lla.attacks.workspace.compiled), to run with JAX's when executables are dropped."""
+  _CACHE_CLEARERS.append(clear)
+
+
+def memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the kernel's limit vm.max_map_count), or None
+  where /proc does not say (not Linux)."""
+  try:
+    with open(MAP_COUNT_LIMIT_FILE) as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+  except OSError:
+    return None
+  return held, limit
+
+
+def release_compiled_when_crowded(fraction: float = CROWDED_FRACTION) -> bool:
+  """Drops every cached compiled executable (JAX's and lla's) when this process holds
+  more than `fraction` of the kernel's memory-mapping limit (module docstring); returns
+  whether it did. Executables still referenced elsewhere stay alive; the rest are freed
+  and their mappings unmapped."""
+  mappings = memory_mappings()
+  if mappings is None or mappings[0] <= fraction * mappings[1]:
+    return False
+  for clear in _CACHE_CLEARERS:
+    clear()
+  jax.clear_caches()
+  gc.collect()  # executables held in reference cycles
+  after = memory_mappings()
+  logging.info("compiled executables dropped: %d of vm.max_map_count %d memory mappings "
+               "held, %s after", mappings[0], mappings[1], after and after[0])
+  return True

@@ -21,6 +21,16 @@ def pytest_configure(config):
     allocator.reexec()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _executables_within_the_mapping_limit():
+  """Each module starts with room for its executables: JAX keeps every compiled executable
+  for the life of the process, and the whole suite in one process would otherwise cross
+  the kernel's limit on memory mappings, where XLA:CPU dies compiling (lla.runtime)."""
+  from lla import runtime
+
+  runtime.release_compiled_when_crowded()
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
   """The data directory: $LLA_DATA_DIR, else the repository's sibling `../shared/data`.

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lla import dist
+from lla import runtime
 from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
 from lla.attacks import ridge
@@ -43,6 +44,7 @@ from lla.model.gpt2 import GPT2Config
 # (jitted function, argument tree, argument signatures) ->
 #     (executable, its dynamic keyword names, FLOPs per call or None).
 _EXECUTABLES: dict = {}
+runtime.register_executable_cache(_EXECUTABLES.clear)
 STATUS_ERROR_CHARS = 2000  # of an error message passed between processes
 
 

@@ -33,6 +33,7 @@ from absl import logging
 
 from lla import dist
 from lla import provenance as provenance_lib
+from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace, document_mesh, spans_processes
@@ -450,7 +451,11 @@ def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
 
 def execute(ws: Workspace, spec, values: dict, seed: int):
   """Runs one attack, metered: (AttackResult, predictions [B, T] int32, Charge, None), or
-  (None, None, Charge, the exception) when it crashed. Every process of a job runs this."""
+  (None, None, Charge, the exception) when it crashed. Every process of a job runs this.
+
+  A long study's compiled executables are dropped first when they crowd the process's
+  memory mappings (lla.runtime): XLA:CPU would not survive the next compile."""
+  runtime.release_compiled_when_crowded()
   view = budget_lib.View(values, spec.budget_fields, spec.name)
   with ws.attack_scope(spec.name):
     try:

@@ -32,6 +32,7 @@ from absl import logging
 from tqdm import tqdm
 
 from lla import data
+from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
@@ -75,7 +76,9 @@ class Target:
 
 def _phase(workdir: pathlib.Path, name: str) -> None:
   """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
-  one, or the invocation, does)."""
+  one, or the invocation, does). A long study's compiled executables are dropped here
+  before they exhaust the process's memory mappings (lla.runtime)."""
+  runtime.release_compiled_when_crowded()
   logging.info("== phase: %s", name)
   tqdm.write(f"[main_table] phase: {name}")
   path = workdir / TIMING
