@@ -19,7 +19,7 @@ from lla.attacks.workspace import Workspace
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
-from test_attacks_units import random_params
+from test_attacks_units import np_client, random_params
 
 CFG = GPT2Config(vocab_size=512, n_positions=16, n_embd=32, n_head=4, n_layer=3)
 K, B, T, N_CAL = 2, 8, 10, 48
@@ -73,6 +73,16 @@ def test_gram_is_rotation_invariant():
   assert np.abs(flat_y - flat_h).max() > 1.0  # while the rows themselves moved
 
 
+def haar_capture(h, seed=SECRET_SEED):
+  """h [B, T, d] through the defender's Haar projection (one secret for every document)."""
+  projection = defenses.make("projection", kind="haar")
+  keys = defenses.Secret.explicit(seed).keys("projection")
+  return np.asarray(defenses.apply(projection, jnp.asarray(h), keys))
+
+
+HAAR = {"name": "projection", "params": {"kind": "haar", "enabled": True}}
+
+
 @pytest.mark.parametrize("kind", ["haar"])
 def test_projection_adaptive_breaks_the_projection(case, undefended, kind):
   _, _, truth, h = case
@@ -85,7 +95,96 @@ def test_projection_adaptive_breaks_the_projection(case, undefended, kind):
   assert undefended >= 0.9, undefended
   assert adapted >= 0.9 * undefended, (adapted, undefended, result.details)
   assert blind <= 0.2, blind  # the defense does stop the non-adaptive attack
-  assert result.details["rank"] == CFG.n_embd
+  details = result.details
+  assert details["route"] == "gram" and details["exact"], details
+  # Every row recognised, and together they span R^d (B * T = 80 rows, d = 32).
+  assert details["rows_recognised"] == B * T and details["rank"] == CFG.n_embd
+
+
+def numpy_gram_greedy(params, y: np.ndarray) -> np.ndarray:
+  """Position by position, the token whose float64 client row has the Gram row nearest to
+  the message's (norm and inner products with the rows of the tokens chosen before it),
+  the whole vocabulary scanned at every position: an independent float64 reference of the
+  Gram route that never sees the projection."""
+  y = np.asarray(y, np.float64)
+  out = np.zeros(y.shape[:2], np.int32)
+  vocab = np.arange(CFG.vocab_size)
+  for b in range(y.shape[0]):
+    for t in range(y.shape[1]):
+      tokens = np.concatenate([np.repeat(out[b:b + 1, :t], CFG.vocab_size, 0), vocab[:, None]],
+                              1)
+      rows = np_client(params, CFG, tokens, K)                   # [V, t + 1, d]
+      a, prefix = rows[:, t], rows[0, :t]
+      norm2 = y[b, t] @ y[b, t]
+      scale = np.sqrt(norm2 * np.sum(y[b, :t] ** 2, -1))
+      cost = (((a * a).sum(-1) - norm2) / norm2) ** 2 + np.sum(
+          ((a @ prefix.T - y[b, :t] @ y[b, t]) / scale) ** 2, -1)
+      out[b, t] = int(np.argmin(cost))
+  return out
+
+
+@pytest.fixture(scope="module")
+def gram_brute(case):
+  params, _, _, h = case
+  return numpy_gram_greedy(params, haar_capture(h))
+
+
+@pytest.mark.parametrize("changes", [
+    {},                                                        # ranked, capped search
+    {"projection_candidates": 4, "projection_max_candidates": 8,  # the vocabulary scan
+     "projection_fallback_rows": 10_000},
+    {"beam_width": 1},                                         # greedy
+])
+def test_projection_adaptive_equals_gram_brute_force(case, gram_brute, changes):
+  _, _, truth, h = case
+  np.testing.assert_array_equal(gram_brute, truth)  # the reference recovers the text
+  ws = workspace(case, haar_capture(h), HAAR)
+  result, charge = registry.execute("projection_adaptive", ws, budget(**changes),
+                                    jax.random.key(0))
+  np.testing.assert_array_equal(result.predictions, gram_brute)
+  details = result.details
+  assert details["exact"] and details["rejected_rows"] == 0
+  # True rows well inside the tolerance, every wrong token at t >= 1 far outside it.
+  assert details["accepted_max_rms"] <= details["tolerance"] < 1e-4
+  assert details["runner_up_min_rms"] > 10 * details["tolerance"]
+  if "projection_fallback_rows" in changes:
+    assert details["fallback_rows"] > 0 and details["fallback_hits"] == details["fallback_rows"]
+  else:
+    assert details["fallback_rows"] == 0
+  assert charge.flops_source == "xla"
+  assert 0.5 < charge.flops / charge.flops_analytic < 2.0
+
+
+@pytest.mark.parametrize("setting", ["one_document", "a_rotation_per_document"])
+def test_projection_adaptive_one_document(case, setting):
+  """No minimum number of documents: one document alone is recovered exactly, and so is
+  every document when each has a rotation of its own (the route reads inner products
+  within a document only; across documents they only rank candidates)."""
+  _, _, truth, h = case
+  if setting == "one_document":
+    y, expected = haar_capture(h[:1]), truth[:1]
+  else:
+    y = np.concatenate([haar_capture(h[b:b + 1], seed=b) for b in range(B)])
+    expected = truth
+  result, _ = registry.execute("projection_adaptive", workspace(case, y, HAAR), budget(),
+                               jax.random.key(0))
+  np.testing.assert_array_equal(result.predictions, expected)
+  assert result.details["exact"]
+
+
+def test_projection_adaptive_inexact_weights_take_the_nearest(case):
+  """Attacker weights that differ from the client's: no Gram row matches anywhere, so no
+  position widens its search; each keeps its lowest invariant distance, and the record says
+  so."""
+  params, _, truth, h = case
+  wrong = jax.tree_util.tree_map(lambda x: x * 1.01, params)
+  ws = Workspace(haar_capture(h), None, wrong, CFG, K, case[1], defense=HAAR)
+  result, _ = registry.execute("projection_adaptive", ws, budget(), jax.random.key(0))
+  details = result.details
+  assert details["rows_recognised"] == 0 and details["inexact_documents"] == B
+  assert details["widened_rows"] == 0 and details["fallback_rows"] == 0
+  assert details["mean_candidates_verified_per_position"] == 64  # the first chunk only
+  assert result.predictions.shape == truth.shape
 
 
 def mixed_capture(case, m):
