@@ -19,13 +19,15 @@ from ml_collections import config_flags
 from experiments import distributed
 from lla import dist, runtime
 from lla.capture import store
+from lla.evidence import rundir
 from lla.replay import driver as replay
 from lla.study import main_table
 from lla.train import finetune
 
 # An artifact of the workdir that this job cannot reuse (a capture or fine-tune made with
 # another model, secret or config): one line naming what differs, no traceback.
-_REFUSALS = (store.CaptureError, finetune.CheckpointMismatch)
+# A --workdir another writer holds: one line naming the holder.
+_REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

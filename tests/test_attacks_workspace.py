@@ -67,4 +67,7 @@ def test_scan_is_charged_what_its_iterations_cost_one_call_each():
   assert looped.flops_source == stepped.flops_source == "xla" and stepped.flops > 0
   # Within the loop's own counter and bound check: 2 FLOPs a trip here.
   assert 0 <= looped.flops - stepped.flops <= 4 * target.shape[1]
-  assert looped.flops == pytest.approx(beam.analytic_flops(CFG, 2, 3, width, num, 6), rel=0.5)
+  # The analytic model counts the matmuls alone (2mnk each, as XLA does): a floor under
+  # XLA's count, which adds the elementwise work (layer norms, GELU, softmax, the cost).
+  analytic = beam.analytic_flops(CFG, 2, 3, width, num, 6)
+  assert analytic <= looped.flops <= 1.5 * analytic

@@ -103,6 +103,31 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
     assert json.loads((run / rundir.LOCK).read_text())["pid"] == os.getpid()
 
 
+def test_the_main_job_refuses_a_workdir_whose_study_another_writer_holds(tmp_path, data_dir):
+  """experiments.main_table on a --workdir whose study another process holds (a replay, a
+  main job): one line naming the holder, exit non-zero, and nothing written."""
+  workdir = tmp_path / "main"
+  study = workdir / "study"
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(study)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    since = rundir.lock_holder(str(study))["since"]
+    job = subprocess.run(
+        [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
+         f"--workdir={workdir}"], capture_output=True, text=True, cwd=REPO, timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", LLA_DATA_DIR=str(data_dir)))
+    assert job.returncode != 0 and "Traceback" not in job.stderr, job.stderr[-3000:]
+    line, = job.stderr.strip().splitlines()
+    assert line.startswith(f"error: {study}: another writer holds"), line
+    assert f"pid {holder.pid} on {socket.gethostname()}, since {since}" in line
+    assert sorted(p.relative_to(workdir).as_posix() for p in workdir.rglob("*")) == [
+        "study", f"study/{rundir.LOCK}"]
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+
+
 # An attack that waits for a file, so that its replay holds the run for as long as the test
 # needs; its predictions are the documents' first calibration row (any valid ids do).
 _GATE_PLUGIN = textwrap.dedent("""

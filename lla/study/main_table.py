@@ -275,9 +275,19 @@ def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
-  """Runs (or resumes) the whole main job; returns the report's path."""
+  """Runs (or resumes) the whole main job; returns the report's path.
+
+  The study's lock (lla.evidence.rundir.locked) is held from the first check to the last
+  write: a second main job or a replay on the same --workdir is refused with one line
+  naming this one, before it writes anything.
+  """
+  study = pathlib.Path(workdir) / STUDY
+  with rundir.locked(str(study), what="experiments.main_table"):
+    return _run_locked(config, pathlib.Path(workdir))
+
+
+def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
   from lla.study import report
-  workdir = pathlib.Path(workdir)
   study = workdir / STUDY
   start = time.time()
   if (study / rundir.LOG).exists() and rundir.log(str(study)).sealed:
