@@ -31,10 +31,11 @@ Compiled executables are dropped before they exhaust the kernel's memory mapping
 memory (about six mappings each), JAX's caches keep every executable for the life of the
 process, and Linux refuses an mmap beyond vm.max_map_count (65,530 by default), which
 XLA:CPU does not survive (a segmentation fault while compiling, no error). The tiny main
-job alone compiles about 2,800 executables (17,000 mappings); a study or a test session
-that runs longer crosses the limit. Long-running drivers call it between units of work
-(phases, attacks, sweep cells): when the process holds more than half the limit, every
-cache is dropped and what runs next recompiles (from the persistent cache where it is on).
+job alone reached about 17,000 mappings; a study or a test session that runs longer
+crosses the limit. Long-running drivers call it between units of work (main-job phases,
+every attack through lla.replay.driver.execute, test modules): when the process holds more
+than half the limit, every cache is dropped and what runs next recompiles (from the
+persistent cache where it is on).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ PRECISION_ENV_VAR = "LLA_MATMUL_PRECISION"
 PRECISIONS = ("float32", "tensorfloat32", "bfloat16")
 ACCELERATOR_PRECISION = "tensorfloat32"
 MAP_COUNT_LIMIT_FILE = "/proc/sys/vm/max_map_count"
-# Held above this fraction of vm.max_map_count, compiled executables are dropped: the
-# largest unit of work between two checks (one attack of the tiny main job: under 2,000
-# mappings; one phase of it: under 8,000) fits in the other half many times over.
+# Held above this fraction of vm.max_map_count, compiled executables are dropped: the other
+# half is the room left for the work between two checks (the whole tiny main job took about
+# 17,000 mappings, a quarter of the limit).
 CROWDED_FRACTION = 0.5
 _CACHE_CLEARERS: list[Callable[[], None]] = []  # lla's own executable caches
 _JAX_PRECISION = {"float32": "highest", "tensorfloat32": "tensorfloat32",
