@@ -26,8 +26,10 @@ from lla.train import finetune
 
 # An artifact of the workdir that this job cannot reuse (a capture or fine-tune made with
 # another model, secret or config): one line naming what differs, no traceback.
-# A --workdir another writer holds: one line naming the holder.
-_REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError)
+# A --workdir another writer holds: one line naming the holder. A --workdir whose study
+# another config or binary started, or that fails verification: one line saying so.
+_REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError,
+             main_table.WorkdirMismatch)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

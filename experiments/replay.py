@@ -31,6 +31,7 @@ from lla.evidence import rundir
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it exists).",
                                required=True)
+flags.mark_flag_as_required("config")
 _LOCK_WAIT_S = flags.DEFINE_float(
     "lock_wait_s", 0.0, "Seconds to wait for another writer of --workdir to finish before "
     "refusing (0: refuse at once, naming it).", lower_bound=0.0)

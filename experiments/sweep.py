@@ -14,8 +14,11 @@ hash). configs/sweep.py documents the variants.
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 from lla import runtime
-from lla.sweep import backends, driver, frontier
+from lla.attacks import budget, registry
+from lla.evidence import rundir
+from lla.sweep import backends, cells, driver, frontier
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py:cpu", "Sweep config.",
                                           lock_config=True)
@@ -61,6 +64,9 @@ def main(argv):
                          only=tuple(_CELLS.value), **_backend_options())
   except driver.SweepError as e:  # Each failed cell named with its error; the rest written.
     raise SystemExit(f"error: {e}") from None
+  except (cells.SweepConfigError, budget.BudgetError, registry.PluginError, KeyError,
+          rundir.RunLockedError) as e:  # Refused before any cell ran: nothing written.
+    raise SystemExit(f"error: {cli.one_line(e)}") from None
   print(f"sweep: {summary.cells} cells ({summary.skipped} finished before, {summary.ran} run) "
         f"in {summary.wall_s:.1f} s -> {summary.study}")
   if _CONFIG.value.frontier.enabled and not _CELLS.value:

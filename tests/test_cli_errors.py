@@ -9,8 +9,10 @@ config's vocabulary and layer count, the path given), and that no output was lef
 
 import concurrent.futures
 import hashlib
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -176,3 +178,70 @@ def test_replay_binary_refuses_a_capture_as_workdir_and_a_bad_process_id(setup, 
       assert fact in line, (what, fact, line)
   assert not (tmp_path / "run").exists()
   assert {name: _tree(root / name) for name in ("cap", "cap_other")} == before
+
+
+def test_regenerate_binary_checks_a_run_and_refuses_what_it_cannot_regenerate(setup, tmp_path):
+  """A replayed run regenerates bit for bit (whole and as a one-record-per-module sample); a
+  missing run, and a run whose protocol lacks a budget field its module now declares (a run
+  older than the field), are one line each, and neither run is changed."""
+  root, _ = setup
+  run = tmp_path / "run"
+  proc = _replay(root, root / "cap", run)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for extra, what in (([], "every prediction"), (["--per_attack=1"], "1 sampled prediction")):
+    proc = _run("regenerate", f"--workdir={run}", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"OK {run}: {what}" in proc.stdout.splitlines()[-1], proc.stdout
+  old = tmp_path / "old"
+  shutil.copytree(run, old)
+  protocol = old / "protocol.json"
+  e = json.loads(protocol.read_text())
+  del e["B"]["fields"]["candidates"]
+  protocol.write_text(json.dumps(e))
+  before = {name: _tree(tmp_path / name) for name in ("run", "old")}
+  cases = [(tmp_path / "absent", [str(tmp_path / "absent"), "records directory missing"]),
+           (old, ["'ridge'", "candidates", "does not hold", "predates"])]
+  for workdir, facts in cases:
+    line = _one_line(_run("regenerate", f"--workdir={workdir}"), workdir)
+    assert line.startswith("error: "), line
+    for fact in facts:
+      assert fact in line, (fact, line)
+  assert {name: _tree(tmp_path / name) for name in ("run", "old")} == before
+  assert not (tmp_path / "absent").exists()
+
+
+def test_main_job_refuses_a_workdir_whose_study_another_binary_started(tmp_path):
+  """A sealed study without the main job's config (as a sweep leaves): one line before any
+  phase runs, nothing written."""
+  from lla.evidence import rundir  # pylint: disable=g-import-not-at-top
+  study = tmp_path / "study"
+  rundir.create_study(str(study), {"sweep": "cpu"})
+  rundir.finalize(str(study))
+  before = _tree(tmp_path)
+  line = _one_line(_run("main_table", "--config=configs/main_table.py:tiny",
+                        f"--workdir={tmp_path}"), "foreign study")
+  assert line == (f"error: {study}: this workdir's study was started with a different config "
+                  "(or by another binary, e.g. a sweep); resume it with the same config or use "
+                  "a new --workdir"), line
+  assert _tree(tmp_path) == before
+
+
+def test_sweep_binary_refuses_a_bad_grid_before_writing(tmp_path):
+  """An unknown cell id, attack or plugin: one line naming it, and no sweep directory."""
+  workdir = tmp_path / "sweep"
+  cases = [("--cells=no_such_cell", ["--cells", "no_such_cell"]),
+           ("--config.cell.attacks=no_such_attack", ["no attack named 'no_such_attack'"]),
+           ("--config.cell.plugins=no_such.module", ["plugin 'no_such.module'",
+                                                      "could not be imported"])]
+
+  def run(case):
+    return _run("sweep", "--config=configs/sweep.py:cpu", f"--workdir={workdir}", case[0])
+
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    results = list(pool.map(run, cases))
+  for (flag, facts), proc in zip(cases, results):
+    line = _one_line(proc, flag)
+    assert line.startswith("error: "), (flag, line)
+    for fact in facts:
+      assert fact in line, (flag, fact, line)
+  assert not workdir.exists()

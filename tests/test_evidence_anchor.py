@@ -171,3 +171,51 @@ def test_the_report_shows_the_seal(setup, tmp_path):
   (run / "log.jsonl").write_bytes(b"".join(
       _canonical(e) for e in _entries(run)[:-1]))  # the seal cut off
   assert report.seal_line(run).startswith("Seal: none")
+
+
+def _keypair(directory: pathlib.Path, name: str) -> tuple[pathlib.Path, str]:
+  """A fresh ed25519 key without passphrase: (private key file, public key line)."""
+  key = directory / name
+  subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)],
+                 check=True, capture_output=True, timeout=60)
+  return key, (directory / f"{name}.pub").read_text().split(" ", 2)[:2]
+
+
+def test_a_signed_seal_verifies_against_the_published_key_only(setup, tmp_path):
+  """`--sign_with` signs the line 'lla-seal <seal>' (checked here with ssh-keygen directly, on
+  the seal recomputed from the log), changes no file of the run, and `--signers/--signer`
+  accepts that signature and refuses another key's, another identity, and a forgery's seal."""
+  root, _ = setup
+  run = _copy(root, tmp_path)
+  seal = _seal_hash(run)
+  alice, alice_pub = _keypair(tmp_path, "alice")
+  mallory, _ = _keypair(tmp_path, "mallory")
+  signers = tmp_path / "allowed_signers"
+  signers.write_text(f"alice@lab namespaces=\"lla-seal\" {' '.join(alice_pub)}\n")
+  before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+  proc = _verify(run, f"--sign_with={alice}")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  signature = pathlib.Path(f"{run}.seal.sig")
+  assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+  direct = subprocess.run(["ssh-keygen", "-Y", "verify", "-f", str(signers), "-I", "alice@lab",
+                           "-n", "lla-seal", "-s", str(signature)],
+                          input=f"lla-seal {seal}\n".encode(), capture_output=True, timeout=60)
+  assert direct.returncode == 0, direct.stderr
+  check = ("--signers=" + str(signers), "--signer=alice@lab")
+  proc = _verify(run, *check)
+  assert proc.returncode == 0 and "signed by the expected key" in proc.stdout, proc.stderr
+  refusals = [("another identity", ("--signers=" + str(signers), "--signer=bob@lab"))]
+  mallory_sig = tmp_path / "mallory.sig"
+  assert _verify(run, f"--sign_with={mallory}", f"--signature={mallory_sig}").returncode == 0
+  refusals.append(("another key", (*check, f"--signature={mallory_sig}")))
+  for what, extra in refusals:
+    proc = _verify(run, *extra)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, (what, proc.stderr)
+    line, = proc.stderr.strip().splitlines()
+    assert "not a valid signature of seal " + seal in line, (what, line)
+  # A forgery re-chained from scratch has another seal: alice's signature does not cover it.
+  _forge(run)
+  proc = _verify(run, *check)
+  assert proc.returncode != 0
+  line, = proc.stderr.strip().splitlines()
+  assert "not a valid signature of seal " + _seal_hash(run) in line, line

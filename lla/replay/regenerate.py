@@ -29,6 +29,11 @@ from lla.evidence import files, records, rundir
 from lla.model.loading import load_model
 
 
+class RegenerationError(ValueError):
+  """The run cannot be regenerated as stored: an input changed, or today's module declares
+  what the run's protocol does not hold."""
+
+
 def _protocol(run_dir: str, e_hash: str) -> dict:
   if rundir.is_study(run_dir):
     return files.read_json(os.path.join(run_dir, rundir.PROTOCOLS, f"{e_hash}.json"))
@@ -39,17 +44,17 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
   inputs = files.read_json(os.path.join(run_dir, replay.INPUTS, f"{record.e_hash}.json"))
   model = load_model(ml_collections.ConfigDict(inputs["attacker_source"]))
   if model.model_id != inputs["attacker_params_sha256"]:
-    raise ValueError(f"{inputs['attacker_source']}: attacker weights hash {model.model_id[:12]}... "
+    raise RegenerationError(f"{inputs['attacker_source']}: attacker weights hash {model.model_id[:12]}... "
                      f"differ from the pinned {inputs['attacker_params_sha256'][:12]}...")
   calibration = files.load_token_matrix(
       os.path.join(run_dir, records.inside("calibration_file", inputs["calibration_file"])),
       "calibration tokens")
   if files.sha256_bytes(np.ascontiguousarray(calibration, np.int32).tobytes()) != \
       inputs["calibration_sha256"]:
-    raise ValueError(f"{inputs['calibration_file']}: calibration tokens changed")
+    raise RegenerationError(f"{inputs['calibration_file']}: calibration tokens changed")
   capture = store.load_capture(rundir.resolve(run_dir, record.capture_dir))
   if capture.manifest_sha256 != record.capture_sha256:
-    raise ValueError(f"{record.capture_dir}: capture differs from the one record "
+    raise RegenerationError(f"{record.capture_dir}: capture differs from the one record "
                      f"{record.run_id!r} was made from")
   mimic = inputs.get("calibration_defense")
   ws = Workspace(capture.activations, capture.gradients, model.params, model.cfg,
@@ -67,21 +72,38 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
 
 @dataclasses.dataclass(frozen=True)
 class Regeneration:
-  """problems: predictions that differ (empty: bit for bit); skipped: 'run_id: why' of
-  measured records not regenerated here; provenance: 'field: recorded X, now Y' for every
-  difference between the records' provenance and this process's."""
+  """problems: predictions that differ (empty: bit for bit); regenerated: the run_ids
+  recomputed; skipped: 'run_id: why' of measured records not regenerated here (a sample
+  leaves the rest out without listing them); provenance: 'field: recorded X, now Y' for
+  every difference between the records' provenance and this process's."""
   problems: list[str]
+  regenerated: list[str]
   skipped: list[str]
   provenance: list[str]
 
 
-def check(run_dir: str, memory_budget_bytes: int = 1 << 30) -> Regeneration:
-  """Recomputes every measured record's predictions and compares them bit for bit."""
+def check(run_dir: str, memory_budget_bytes: int = 1 << 30,
+          per_attack: int | None = None) -> Regeneration:
+  """Recomputes measured records' predictions and compares them bit for bit.
+
+  Args:
+    run_dir: a run or study directory.
+    memory_budget_bytes: the attacks' working-set budget (as at replay).
+    per_attack: regenerate only the first `per_attack` measured records of each module,
+      in the order they were logged (a spot check costing a fraction of the run); None
+      regenerates every one.
+  """
+  if per_attack is not None and per_attack < 1:
+    raise ValueError(f"per_attack {per_attack}: expected at least 1 record per module")
   # Keyed by capture too: one protocol tuple may be replayed on several captures of it.
-  problems, skipped, workspaces, differences = [], [], {}, {}
+  problems, regenerated, skipped, workspaces, differences = [], [], [], {}, {}
+  taken = {}
   now = provenance_lib.current()
   for record in rundir.load_records(run_dir):
     if record.status != "ok":
+      continue
+    taken[record.attack] = taken.get(record.attack, 0) + 1
+    if per_attack is not None and taken[record.attack] > per_attack:
       continue
     if record.attack not in registry.names():
       skipped.append(f"{record.run_id}: module {record.attack!r} is not a replay attack "
@@ -90,20 +112,27 @@ def check(run_dir: str, memory_budget_bytes: int = 1 << 30) -> Regeneration:
     for line in provenance_lib.differences(record.provenance, now):
       differences.setdefault(line, record.run_id)
     e = _protocol(run_dir, record.e_hash)
+    attack = registry.get(record.attack)
+    missing = sorted(set(attack.spec.budget_fields) - set(e["B"]["fields"]))
+    if missing:
+      raise RegenerationError(
+          f"record {record.run_id!r}: module {record.attack!r} now declares budget "
+          f"field(s) {', '.join(missing)} that its protocol {record.e_hash[:12]} does not "
+          "hold (the run predates them): regenerate it with the lla version that made it")
     key = (record.e_hash, record.capture_sha256)
     if key not in workspaces:
       workspaces[key] = _workspace(run_dir, record, e, memory_budget_bytes)
-    attack = registry.get(record.attack)
     view = budget_lib.View(e["B"]["fields"], attack.spec.budget_fields, record.attack)
     ws = workspaces[key]
     with ws.attack_scope(record.attack):
       result = attack(ws, view, jax.random.key(record.seed))
     stored = rundir.load_predictions(rundir.resolve(run_dir, record.prediction_file))
+    regenerated.append(record.run_id)
     if not np.array_equal(result.predictions, stored):
       differ = int((result.predictions != stored).sum())
       problems.append(f"{record.prediction_file}: regenerated predictions differ in {differ} "
                       f"of {stored.size} tokens (record {record.run_id!r})")
-  return Regeneration(problems, skipped,
+  return Regeneration(problems, regenerated, skipped,
                       [f"{line} (first in record {run_id!r})"
                        for line, run_id in sorted(differences.items())])
 

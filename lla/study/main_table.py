@@ -52,6 +52,11 @@ STUDY, CAPTURES, DECOY, ACTIVE, TIMING = "study", "captures", "decoy", "active",
 FRONTIER = "frontier"
 
 
+class WorkdirMismatch(ValueError):
+  """The workdir's study cannot be resumed by this job: another config or binary started
+  it, or it fails verification."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
   """One fine-tuned target and the attacker that faces it."""
@@ -290,12 +295,20 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   from lla.study import report
   study = workdir / STUDY
   start = time.time()
-  if (study / rundir.LOG).exists() and rundir.log(str(study)).sealed:
+  config_json = json.loads(config.to_json())
+  # Checked before any phase runs, so a wrong --workdir costs nothing and changes nothing.
+  if rundir.started(str(study)) and \
+      files.read_json(str(study / rundir.PROTOCOL)).get("config") != config_json:
+    raise WorkdirMismatch(f"{study}: this workdir's study was started with a different config "
+                          "(or by another binary, e.g. a sweep); resume it with the same "
+                          "config or use a new --workdir")
+  if rundir.started(str(study)) and rundir.log(str(study)).sealed:
     # Finished; a crash between the seal and the manifest left the manifest to write.
     rundir.finalize(str(study))
     problems = rundir.verify(str(study))
     if problems:
-      raise ValueError(f"{study}: finished study fails verification: " + "; ".join(problems))
+      raise WorkdirMismatch(f"{study}: finished study fails verification: " +
+                            "; ".join(problems))
     _phase(workdir, "report (study already finished and verified)")
     return report.render(config, workdir)
 
@@ -306,16 +319,12 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   base, base_source = base_model(config, workdir, splits)
   _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
-  config_json = json.loads(config.to_json())
   if not rundir.started(str(study)):  # a create interrupted before its log entry: redone
     policy = load_policy(config.scoring.policy)
     rundir.create_study(str(study), {"G": {"policy": policy.policy_id,
                                            "policy_sha256": policy.sha256},
                                      "config": config_json})
     replay.record_threat_space(str(study))
-  elif files.read_json(str(study / rundir.PROTOCOL)).get("config") != config_json:
-    raise ValueError(f"{study}: this workdir was started with a different config; resume it "
-                     "with the same config or use a new --workdir")
   _phase(workdir, "captures")
   captures = capture_targets(config, workdir, targets, splits)
   _phase(workdir, "attacks")
