@@ -1,8 +1,19 @@
-"""Gate decisions, reference links and sensitivity on synthetic runs."""
+"""Gate decisions, reference links and sensitivity on synthetic runs.
+
+Every expected number and decision here is worked out in the test from PROTOCOL.md
+sections 5 and 5a, never taken from the gate code or from a run: the Wilson bound is the
+root of the score equation found with scipy (not the closed form `metrics` uses), the
+frequency baseline is counted on the truth with numpy, hits are what the synthetic
+predictions were built to hit (exactly `correct_per_doc` per document), and the attacks
+that fit a capture are listed by hand from the registry's declarations.
+"""
 
 import dataclasses
+import math
 
+import numpy as np
 import pytest
+from scipy import optimize
 
 from lla.scoring import gates
 from lla.scoring import metrics
@@ -11,6 +22,34 @@ from lla.scoring import scorecard
 from lla.scoring import synthetic as syn
 
 POL = policy_lib.load_policy()
+Z = 2.5392  # PROTOCOL section 5, written out (the policy's wilson_z must agree)
+DOCS, T_LEN = 64, 32  # the synthetic capture: 64 documents of 32 tokens, baseline token 0
+
+
+def wilson_upper_ref(hits: int, n: int, z: float = Z) -> float:
+  """The one-sided Wilson (score) upper bound as the upper root of the score equation
+  p - p_hat = z sqrt(p (1 - p) / n), solved numerically: an independent route to the
+  closed form of PROTOCOL section 5."""
+  p_hat = hits / n
+  if hits == n:
+    return 1.0
+  f = lambda p: (p - p_hat) - z * math.sqrt(p * (1.0 - p) / n)
+  return optimize.brentq(f, p_hat + 1e-12, 1.0, xtol=1e-15, rtol=4 * np.finfo(float).eps)
+
+
+def excess_ref(hits: int, n: int, baseline_hits: int) -> float:
+  """100 (U(p_a, n) - p0) in pp, p0 = baseline_hits / n (PROTOCOL section 5)."""
+  return 100.0 * (wilson_upper_ref(hits, n) - baseline_hits / n)
+
+
+def floor_ref(baseline_hits: int, n: int) -> float:
+  """100 (U(p0, n) - p0): the smallest excess n allows."""
+  return 100.0 * (wilson_upper_ref(baseline_hits, n) - baseline_hits / n)
+
+
+# The frequency baseline of the synthetic capture, counted on its truth with numpy.
+B0 = int(np.count_nonzero(syn.truth_tokens(docs=DOCS) == 0))
+N1 = DOCS * T_LEN  # scored tokens of one record (all positions)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +82,30 @@ def _covered(m, hits=(0, 0, 0), defense="mixup", **kw):
           for name, h in zip(("activation", "joint", "mixup_adaptive"), hits)]
 
 
+def test_wilson_reference_is_the_protocol_bound():
+  """The test's own bound (a root of the score equation) against the closed form at
+  p_hat = 0 and against `metrics`, and the policy's z against PROTOCOL section 5."""
+  assert POL.wilson_z == Z and POL.threshold_pp == 1.0 and POL.min_seeds == 3
+  for n in (1, 32, 2048, 6144):
+    # p_hat = 0: p = z sqrt(p (1 - p) / n)  <=>  p = z^2 / (n + z^2).
+    assert wilson_upper_ref(0, n) == pytest.approx(Z * Z / (n + Z * Z), rel=1e-12)
+    for hits in sorted({0, 1, n // 7, n // 2, n - 1, n}):
+      assert metrics.wilson_upper(hits, n, Z) == pytest.approx(
+          wilson_upper_ref(hits, n), rel=1e-10, abs=1e-14), (hits, n)
+  # One-sided: U >= p_hat always, strictly while p_hat < 1.
+  assert wilson_upper_ref(5, 100) > 0.05 and wilson_upper_ref(100, 100) == 1.0
+
+
+# (envelope, floor, seeds, positive control) -> the decision, by PROTOCOL section 5's rule.
 @pytest.mark.parametrize("args,decision", [
-    ((0.99, 0.5, 3, True), gates.PASS),
-    ((1.0, 0.5, 3, True), gates.PASS),
-    ((1.5, 0.5, 3, True), gates.FAIL),
-    ((1.5, 0.5, 2, True), gates.INSUFFICIENT),
-    ((0.5, 0.5, 3, False), gates.INSUFFICIENT),
-    ((0.5, 1.01, 3, True), gates.INSUFFICIENT),
-    ((None, None, 0, True), gates.INSUFFICIENT),
+    ((0.99, 0.5, 3, True), gates.PASS),            # all three conditions hold
+    ((1.0, 0.5, 3, True), gates.PASS),             # "<= 1.0 pp" includes the threshold
+    ((1.5, 0.5, 3, True), gates.FAIL),             # > 1.0 pp with (2) and (3) met
+    ((1.5, 0.5, 2, True), gates.INSUFFICIENT),     # 2 seeds: (2) fails, no FAIL either
+    ((0.5, 0.5, 3, False), gates.INSUFFICIENT),    # no positive control
+    ((0.5, 1.01, 3, True), gates.INSUFFICIENT),    # floor above 1.0 pp: PASS impossible
+    ((1.5, 1.01, 3, True), gates.INSUFFICIENT),    # ... and an envelope above it proves nothing
+    ((None, None, 0, True), gates.INSUFFICIENT),   # nothing measured
 ])
 def test_decide_rule(args, decision):
   assert gates.decide(*args, POL)[0] == decision
@@ -69,14 +124,41 @@ def test_leaking_defense_fails_with_pooled_and_per_seed_numbers(tmp_path, cap):
               syn.Spec("activation", "beam_inversion", 4 + m, m,
                        defense="mixup")]
   g = _gate(tmp_path, cap, specs)
-  truth = syn.truth_tokens(docs=64)
-  b = int((truth == 0).sum())
-  pooled = metrics.excess_pp((4 + 5 + 6) * 64, 3 * 2048, b / 2048)
+  # Pooled: (4 + 5 + 6) hits in each of 64 documents over 3 x 2048 tokens; per seed: its own.
+  pooled = excess_ref((4 + 5 + 6) * DOCS, 3 * N1, 3 * B0)
+  per_seed = [excess_ref((4 + m) * DOCS, N1, B0) for m in range(3)]
+  assert pooled > POL.threshold_pp + 5 and floor_ref(3 * B0, 3 * N1) < POL.threshold_pp
   assert g["decision"] == gates.FAIL
-  assert g["envelope"]["envelope_pp"] == pytest.approx(pooled, abs=1e-12)
-  per_seed = [metrics.excess_pp((4 + m) * 64, 2048, b / 2048) for m in range(3)]
-  assert [p["envelope_pp"] for p in g["per_seed"]] == pytest.approx(per_seed)
+  assert g["envelope"]["envelope_pp"] == pytest.approx(pooled, abs=1e-9)
+  assert g["envelope"]["floor_pp"] == pytest.approx(floor_ref(3 * B0, 3 * N1), abs=1e-9)
+  assert [p["envelope_pp"] for p in g["per_seed"]] == pytest.approx(per_seed, abs=1e-9)
+  assert [p["floor_pp"] for p in g["per_seed"]] == pytest.approx([floor_ref(B0, N1)] * 3,
+                                                                 abs=1e-9)
   assert all(l["kind"] == "implicit (family match)" for l in g["links"])
+
+
+@pytest.mark.parametrize("hits,decision", [((2, 2, 2), gates.FAIL), ((2, 2, 1), gates.PASS)])
+def test_fail_and_pass_bracket_the_threshold(tmp_path, cap, hits, decision):
+  """The defended `activation` hits 2, 2 and then 2 or 1 tokens per document on the three
+  seeds: 6 or 5 hits per 96 pooled tokens of a document. By the hand bound the first is
+  above 1.0 pp by more than 0.4 pp and the second below it by more than 0.6 pp, so one hit
+  per document on one seed moves the decision across the threshold."""
+  specs = []
+  for m in range(3):
+    specs += [syn.Spec("activation", "beam_inversion", 30, m),
+              *_covered(m, hits=(hits[m], 0, 0))]
+  envelope = excess_ref(sum(hits) * DOCS, 3 * N1, 3 * B0)
+  if decision == gates.FAIL:
+    assert envelope > POL.threshold_pp + 0.4, envelope
+  else:
+    assert envelope < POL.threshold_pp - 0.6, envelope
+  assert floor_ref(3 * B0, 3 * N1) < POL.threshold_pp  # PASS is possible at this n
+  assert excess_ref(30 * DOCS * 3, 3 * N1, 3 * B0) > POL.positive_control_pp  # control
+  g = _gate(tmp_path, cap, specs, MODULES)
+  assert g["decision"] == decision, g["reasons"]
+  assert g["envelope"]["argmax"] == "activation"
+  assert g["envelope"]["envelope_pp"] == pytest.approx(envelope, abs=1e-9)
+  assert g["n_seeds"] == 3
 
 
 def test_explicit_reference_mismatch_is_rejected(tmp_path, cap):
@@ -99,9 +181,17 @@ def test_sensitivity_reports_weak_alternative(tmp_path, cap):
     specs += [syn.Spec("activation", "beam_inversion", 30, m),
               syn.Spec("ridge_like", "beam_inversion", 0, m), *_covered(m)]
   g = _gate(tmp_path, cap, specs, MODULES)
+  # activation recovers 30 of 32 (a control far above 1.0 pp); ridge_like nothing (its
+  # excess is negative: no control); the defended envelope (0 hits) is below 1.0 pp.
+  control = {"activation": excess_ref(30 * DOCS * 3, 3 * N1, 3 * B0),
+             "ridge_like": excess_ref(0, 3 * N1, 3 * B0)}
+  assert control["activation"] > 50 and control["ridge_like"] < 0
+  assert excess_ref(0, 3 * N1, 3 * B0) < POL.threshold_pp
   assert g["decision"] == gates.PASS
   alts = {a["reference"]: a["decision"] for a in g["sensitivity"]["alternatives"]}
   assert alts == {"activation": gates.PASS, "ridge_like": gates.INSUFFICIENT}
+  assert {a["reference"]: a["excess_pp"] for a in g["sensitivity"]["alternatives"]} == \
+      pytest.approx(control, abs=1e-9)
   assert g["sensitivity"]["decision_changes"]
   assert "ridge_like" in g["sensitivity"]["line"]
 
@@ -128,6 +218,8 @@ def test_only_the_adaptive_attack_leaks_fail_names_it(tmp_path, cap):
   g = _gate(tmp_path, cap, specs, MODULES)
   assert g["decision"] == gates.FAIL
   assert g["envelope"]["argmax"] == "mixup_adaptive"
+  assert g["envelope"]["envelope_pp"] == pytest.approx(
+      excess_ref(12 * DOCS * 3, 3 * N1, 3 * B0), abs=1e-9)
   assert "envelope set by mixup_adaptive" in g["reasons"]
   assert g["fitting"]["adaptive"] == ["mixup_adaptive"]
   # The same study scored as if the adaptive attack had not been run: no PASS.
@@ -177,32 +269,57 @@ def test_fitting_follows_observations_knowledge_and_threat_model():
   assert names(None, "trained", "projection") == ["activation", "aware", "joint", "trained_only"]
 
 
+# The registered attacks that fit a training capture (O: h and g) of a projection-defended
+# client under public knowledge, listed by hand from the registry's declarations (PROTOCOL
+# section 5a): every passive attack whose needs are within {activations, gradients} and
+# that runs under public knowledge, the gradient-reading ones included (a defense on h
+# leaves g open); the defense-aware baselines (projection transforms h); of the adaptive
+# attacks only projection_adaptive. Left out, each for a declared reason: the decoy_*
+# attacks (decoy-row observations, trained knowledge only), fsha_decode (active tier,
+# knowledge none), gaussian/mixup/nopeek/quantize/topk_adaptive (other mechanisms), and
+# the negative controls random_candidates and shuffled_gradients. An attack registered
+# later that fits must be added here by hand (this test then fails until it is).
+FITTING_PROJECTION_TRAINING = (
+    "activation", "activation_defense_aware", "activation_flop_matched", "bisr", "bisr_b",
+    "bisr_f", "eia", "gradient_only", "gradient_only_t1", "joint", "joint_defense_aware",
+    "lamp", "projection_adaptive", "ridge", "sip", "sip_linear", "sipit", "tag")
+
+
 def test_live_registry_pass_needs_every_fitting_attack(tmp_path, cap):
   """With the real registry's module entries, on a projection-defended training capture:
-  a PASS needs every fitting attack measured, and only projection_adaptive leaking is a
-  FAIL that names it."""
+  the hand-listed fitting attacks all measured and none leaking is a PASS (so nothing
+  outside the list is required); removing any one hand-named attack of the list withholds
+  it; only projection_adaptive leaking is a FAIL that names it."""
   from lla.attacks import registry  # pylint: disable=g-import-not-at-top
-  modules = registry.module_entries()
-  fitting = [m["name"] for m in gates.fitting_modules(modules, {"activations", "gradients"},
-                                                     "public", "projection")]
-  assert "projection_adaptive" in fitting and "joint" in fitting
-  assert "mixup_adaptive" not in fitting and "shuffled_gradients" not in fitting
+  # The built-in modules only: other tests of the session may have registered plugins.
+  modules = [m for m in registry.module_entries() if m["source"]["module"].startswith("lla.")]
+  names = {m["name"] for m in modules}
+  assert set(FITTING_PROJECTION_TRAINING) <= names
   specs = []
   for m in range(3):
     specs += [syn.Spec("activation", "beam_inversion", 30, m)]
     specs += [syn.Spec(name, "beam_inversion", 12 if name == "projection_adaptive" else 0, m,
-                       defense="projection") for name in fitting]
+                       defense="projection") for name in FITTING_PROJECTION_TRAINING]
   g = _gate(tmp_path, cap, specs, modules)
   assert g["decision"] == gates.FAIL and g["envelope"]["argmax"] == "projection_adaptive"
-  # Nothing leaks: PASS, but only with every fitting attack measured.
+  assert g["envelope"]["envelope_pp"] == pytest.approx(
+      excess_ref(12 * DOCS * 3, 3 * N1, 3 * B0), abs=1e-9)
+  assert g["fitting"]["fitting"] == list(FITTING_PROJECTION_TRAINING)
+  assert g["fitting"]["adaptive"] == ["projection_adaptive"]
+  # Nothing leaks: PASS with exactly the hand-listed attacks measured.
   clean = [s if s.defense == "none" else dataclasses.replace(s, correct_per_doc=0)
            for s in specs]
   g = _gate(tmp_path / "clean", cap, clean, modules)
   assert g["decision"] == gates.PASS, g["reasons"]
-  without = [s for s in clean if s.attack != "projection_adaptive"]
-  g = _gate(tmp_path / "missing", cap, without, modules)
-  assert g["decision"] == gates.INSUFFICIENT
-  assert any("projection_adaptive (not run)" in r for r in g["reasons"])
+  assert g["fitting"]["unmeasured"] == {}
+  # One hand-named fitting attack missing, each for a different reason it fits: the
+  # adaptive attack, a gradient-only attack (the open channel), a defense-aware baseline.
+  for missing in ("projection_adaptive", "gradient_only", "joint_defense_aware"):
+    without = [s for s in clean if s.attack != missing]
+    g = _gate(tmp_path / f"missing_{missing}", cap, without, modules)
+    assert g["decision"] == gates.INSUFFICIENT, (missing, g["reasons"])
+    assert g["fitting"]["unmeasured"] == {missing: "not run"}
+    assert f"PASS withheld: fitting attack(s) unmeasured: {missing} (not run)" in g["reasons"]
 
 
 # --- Observations per capture (PROTOCOL section 5a) -------------------------------------
