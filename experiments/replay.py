@@ -26,6 +26,7 @@ from lla import dist, runtime
 from lla.attacks import budget, registry
 from lla.replay import driver as replay, runner as replay_runner
 from lla.capture import store
+from lla.model import gguf_io
 from lla.evidence import rundir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
@@ -39,7 +40,7 @@ _LOCK_WAIT_S = flags.DEFINE_float(
 # anything else is a bug and keeps its trace.
 _INPUT_ERRORS = (replay.ReplayInputError, budget.BudgetError, registry.IncompatibleCaptureError,
                  registry.PluginError, store.CaptureError, rundir.RunLockedError,
-                 FileNotFoundError, KeyError)
+                 gguf_io.GGUFError, FileNotFoundError, KeyError)
 
 
 def main(argv):

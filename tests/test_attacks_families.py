@@ -1,6 +1,7 @@
 """The family x attack matrix: every generic passive attack replayed on tiny random
-checkpoints of GPT-2 (the reference row), Llama (untied head, GQA) and Qwen3 (q/k-norm,
-GQA, H * D != d).
+checkpoints of GPT-2 (the reference row), Llama (untied head, GQA), Qwen3 (q/k-norm,
+GQA, H * D != d), Mistral (a sliding window shorter than the documents, linear RoPE, MQA),
+Qwen2 (q/k/v biases) and Gemma ((1 + w) norm, GeGLU, scaled embeddings).
 
 Each family's checkpoint (V = 64, d = 32, 3 layers, norm weights and biases perturbed away
 from their init) goes through `hf_io.save_hf_dir` / `load_hf_dir`, is captured in training
@@ -43,6 +44,20 @@ CONFIGS = {
     "qwen3": DecoderConfig(family="qwen3", vocab_size=V, n_positions=16, n_embd=32, n_layer=3,
                            n_head=4, n_kv_head=2, head_dim=16, d_ff=48, norm_eps=1e-6,
                            qk_norm=True, rope_theta=1e6, tie_embeddings=True),
+    # A window shorter than the documents (W = 4 < T = 6): late positions see a truncated
+    # prefix, which the KV-cached attacks must reproduce; linear RoPE, MQA, untied head.
+    "mistral": DecoderConfig(family="mistral", vocab_size=V, n_positions=16, n_embd=32,
+                             n_layer=3, n_head=4, n_kv_head=1, head_dim=8, d_ff=48,
+                             norm_eps=1e-5, sliding_window=4, rope_type="linear",
+                             rope_factor=2.0, tie_embeddings=False),
+    "qwen2": DecoderConfig(family="qwen2", vocab_size=V, n_positions=16, n_embd=32, n_layer=3,
+                           n_head=4, n_kv_head=2, head_dim=8, d_ff=48, norm_eps=1e-6,
+                           qkv_bias=True, rope_theta=1e6, tie_embeddings=True),
+    # Gemma: (1 + w) RMSNorm, GeGLU, the input table scaled by sqrt(d), head_dim * H != d.
+    "gemma": DecoderConfig(family="gemma", vocab_size=V, n_positions=16, n_embd=32, n_layer=3,
+                           n_head=2, n_kv_head=1, head_dim=32, d_ff=48, norm="rmsnorm_1p",
+                           norm_eps=1e-6, mlp="geglu", embed_scale=32 ** 0.5,
+                           tie_embeddings=True),
 }
 FAMILIES = list(CONFIGS)
 

@@ -106,7 +106,7 @@ def test_capture_binary_bad_inputs_are_one_line(setup, tmp_path):
                 [str(tmp_path / "no_model"), "no such directory"]))
   cases.append(("no model", [good_tokens, f"--config.cut={CUT}", "--config.model.hf_dir=",
                              "--config.model.checkpoint=", "--config.model.hub="],
-                ["names no hf_dir, checkpoint or hub"]))
+                ["names no gguf, gguf_package, hf_dir, checkpoint or hub"]))
   cases.append(("existing workdir", [good_tokens, f"--config.cut={CUT}"], ["exists"]))
 
   def run(case):

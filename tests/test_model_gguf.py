@@ -49,8 +49,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 _NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
 
 
-def write_gguf(model, arch: str, qtype, path):
+def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
+  """`model` (transformers) as a GGUF file the way llama.cpp's converter writes it; `tokens`
+  is the vocabulary (default: V placeholder symbols, no merges)."""
   cfg = model.config
+  tokens = tokens or [chr(0x100 + i) for i in range(V)]
   writer = gguf.GGUFWriter(str(path), arch)
   writer.add_name(f"tiny-random-{arch}")
   writer.add_block_count(cfg.num_hidden_layers)
@@ -62,16 +65,15 @@ def write_gguf(model, arch: str, qtype, path):
   writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
   writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
   writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-  writer.add_vocab_size(V)
+  writer.add_vocab_size(len(tokens))
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre("default")
-  tokens = [chr(0x100 + i) for i in range(V)]
   writer.add_token_list(tokens)
-  writer.add_token_types([1] * V)
+  writer.add_token_types([1] * len(tokens))
   writer.add_token_merges([])
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
-  writer.add_add_bos_token(False)
+  writer.add_add_bos_token(add_bos)
   for name, tensor in model.state_dict().items():
     w = tensor.numpy().astype(np.float32)
     if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -70,6 +70,12 @@ def _check_workdir(workdir: str) -> None:
 
 
 def _check_model_source(model: ml_collections.ConfigDict) -> None:
+  if model.get("gguf"):
+    if not os.path.isfile(model.gguf):
+      raise capture.CaptureInputError(f"--config.model.gguf={model.gguf}: no such file")
+    return
+  if model.get("gguf_package"):
+    return  # lla.model.gguf_io.packaged_file names a missing package in one line
   if model.get("hf_dir"):
     what, path = "hf_dir", model.hf_dir
   elif model.get("checkpoint"):
@@ -77,8 +83,8 @@ def _check_model_source(model: ml_collections.ConfigDict) -> None:
   elif model.get("hub"):
     return
   else:
-    raise capture.CaptureInputError("--config.model: names no hf_dir, checkpoint or hub to load "
-                                    "the target from")
+    raise capture.CaptureInputError("--config.model: names no gguf, gguf_package, hf_dir, "
+                                    "checkpoint or hub to load the target from")
   if not os.path.isdir(path):
     raise capture.CaptureInputError(f"--config.model.{what}={path}: no such directory")
 

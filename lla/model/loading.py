@@ -24,14 +24,16 @@ class LoadedModel:
 
 
 def load_model(model: ml_collections.ConfigDict) -> LoadedModel:
-  """Loads from `model.gguf`, else `model.hf_dir`, else `model.checkpoint`, else `model.hub`.
+  """Loads from `model.gguf` (or the GGUF file inside the installed `model.gguf_package`),
+  else `model.hf_dir`, else `model.checkpoint`, else `model.hub`.
 
   The architecture is the checkpoint's own: a user's directory needs no matching config.
   """
-  if model.get("gguf"):
+  if model.get("gguf") or model.get("gguf_package"):
     from lla.model import gguf_io  # the optional `gguf` package, imported only when used
-    params, cfg, info = gguf_io.load_gguf(model.gguf)
-    source = f"gguf:{model.gguf}"
+    path = model.get("gguf") or gguf_io.packaged_file(model.gguf_package)
+    params, cfg, info = gguf_io.load_gguf(path)
+    source = f"gguf:{path}"
   elif model.get("hf_dir"):
     params, cfg = hf_io.load_hf_dir(model.hf_dir)
     source = f"hf:{model.hf_dir}"
@@ -47,6 +49,7 @@ def load_model(model: ml_collections.ConfigDict) -> LoadedModel:
     source = f"hub:{model.hub}"
     info = {"format": "hf-safetensors", "dequantisation": "none"}
   else:
-    raise ValueError("the model config names no gguf, hf_dir, checkpoint or hub to load from")
+    raise ValueError("the model config names no gguf, gguf_package, hf_dir, checkpoint or hub "
+                     "to load from")
   info = {"family": cfg.family, **info}
   return LoadedModel(params, cfg, checkpoint.params_sha256(params), source, info)

@@ -87,7 +87,8 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str,
     registry.load_plugins(config.plugins)
     budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
     model = load_model(config.attacker)
-    source = {k: config.attacker[k] for k in ("hf_dir", "checkpoint", "hub") if config.attacker[k]}
+    source = {k: config.attacker[k] for k in ("gguf", "gguf_package", "hf_dir", "checkpoint", "hub")
+              if config.attacker.get(k)}
     attacker = replay.Attacker(model.params, model.cfg, model.model_id,
                                calibration_tokens(config.calibration), config.knowledge, source)
     chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)

@@ -21,6 +21,10 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config, dict]
   Sources in order: `model.checkpoint` (lla, hash-verified), `model.hf_dir`, `model.hub`.
   Raises ValueError if the loaded architecture is not the configured one (a wrong path).
   """
+  if model.get("gguf") or model.get("gguf_package"):
+    raise ValueError(f"model {model.name!r} is a GGUF model: the main job pre-trains and "
+                     "fine-tunes GPT-2 only; run it through experiments/real_weights.py or the "
+                     "capture and replay binaries")
   if model.checkpoint:
     restored = ckpt.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"

@@ -1,0 +1,142 @@
+"""experiments/real_weights.py on a tiny random Llama written as a GGUF file.
+
+The vocabulary is the 256 byte-level symbols with no merges, so a passage's token ids are its
+UTF-8 bytes mapped through that alphabet: the test computes the documents and the calibration
+passages from the WikiText-2 text itself, the frequency baseline from them, and every
+attack's recovery from the stored predictions, and checks the scorecard against those.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+
+from lla.evidence import rundir
+from test_model_gguf import write_gguf
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ALPHABET = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+# GPT-2's byte -> symbol map (bytes_to_unicode): printable bytes map to themselves, the
+# rest to U+0100 onwards in byte order.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+              *range(ord("®"), ord("ÿ") + 1)]
+_SYMBOL = {b: chr(b) for b in _PRINTABLE}
+_SYMBOL.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _SYMBOL)})
+T, DOCS, CAL, MIN_CHARS, SEED = 16, 4, 16, 200, 0
+
+
+def _ids(text: str) -> list[int]:
+  return [ALPHABET.index(_SYMBOL[b]) for b in text.encode("utf-8")]
+
+
+def _gguf(path: pathlib.Path, add_bos: bool = False) -> pathlib.Path:
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=True,
+                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  write_gguf(model, "llama", gguf.GGMLQuantizationType.F32, path, tokens=ALPHABET,
+             add_bos=add_bos)
+  return path
+
+
+def _paragraphs(data_dir: pathlib.Path, split: str) -> list[str]:
+  lines = [l.strip() for l in (data_dir / "wikitext-2" / f"{split}.txt").read_text(
+      encoding="utf-8").splitlines()]
+  return [l for l in lines if len(l) >= MIN_CHARS and not l.startswith("=")]
+
+
+def _drawn(texts: list[str], n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  eligible = [i for i, t in enumerate(texts) if len(_ids(t)) >= T]
+  chosen = np.sort(np.random.default_rng(seed).choice(eligible, n, replace=False))
+  return np.asarray([_ids(texts[i])[:T] for i in chosen], np.int32), chosen
+
+
+def _run(workdir, gguf_path, *extra):
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.real_weights", "--config=configs/real_weights.py:tiny",
+       f"--config.model.gguf={gguf_path}", f"--config.data.seq_len={T}", "--config.cut=2",
+       f"--workdir={workdir}", *extra],
+      capture_output=True, text=True, cwd=REPO, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("real")
+  path = _gguf(root / "tiny.gguf")
+  proc = _run(root / "out", path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return root, path, proc.stdout
+
+
+def test_documents_baseline_and_recovery_from_the_text(finished, data_dir):
+  root, _, stdout = finished
+  docs, doc_index = _drawn(_paragraphs(data_dir, "test"), DOCS, SEED)
+  calibration, _ = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
+  run = root / "out" / "run"
+  assert rundir.verify(str(run)) == []
+  card = json.loads((run / rundir.SCORECARD_JSON).read_text())
+  (undefended,) = card["undefended"]
+  records = {r.attack: r for r in rundir.load_records(str(run))}
+  assert sorted(records) == ["activation", "ridge"]
+  # The most frequent calibration token; ties (none expected in 256 bytes) by lowest id.
+  counts = np.bincount(calibration.ravel(), minlength=256)
+  baseline = int(np.argmax(counts))
+  assert counts[baseline] > np.partition(counts, -2)[-2]
+  for name, record in records.items():
+    truth = np.asarray(rundir.load_truth(rundir.resolve(str(run), record.truth_file)))
+    np.testing.assert_array_equal(truth, docs)
+    assert record.baseline_token == baseline
+    pred = np.load(rundir.resolve(str(run), record.prediction_file))
+    row = undefended["pooled"][name]
+    assert row["token_recovery"] == pytest.approx((pred == docs).mean(), abs=1e-12)
+    assert row["exact_doc_recovery"] == pytest.approx((pred == docs).all(axis=1).mean())
+    assert row["baseline_p0"] == pytest.approx((docs == baseline).mean(), abs=1e-12)
+    line = next(l for l in stdout.splitlines() if l.startswith(name + " "))
+    assert f"{100 * (pred == docs).mean():.2f}%" in line
+  capture_meta = json.loads((root / "out" / "capture" / "metadata.json").read_text())
+  assert capture_meta["document_ids"] == doc_index.tolist()
+  assert capture_meta["model"]["format"] == "gguf" and capture_meta["model"]["family"] == "llama"
+  # The draws are pinned in E: the int32 bytes then the int64 shape (lla.data.passages).
+  pinned = lambda a: hashlib.sha256(a.astype("<i4").tobytes() +
+                                    np.asarray(a.shape, "<i8").tobytes()).hexdigest()
+  assert dict(capture_meta["protocol"]["C"]["split_hashes"]) == {
+      "documents": pinned(docs), "calibration": pinned(calibration)}
+
+
+def test_a_second_run_resumes_and_changes_nothing(finished):
+  root, path, _ = finished
+  out = root / "out"
+  before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+  proc = _run(out, path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+  assert after == before
+
+
+def test_bad_inputs_are_one_line(finished, tmp_path):
+  root, _, _ = finished
+  bos = _gguf(tmp_path / "bos.gguf", add_bos=True)
+  cases = [(bos, [], ["prepends BOS (id 1)"]),
+           (tmp_path / "absent.gguf", [], ["absent.gguf", "does not exist"]),
+           (root / "tiny.gguf", ["--config.data.documents=100000"],
+            ["documents (test split)", "100000 asked for"])]
+  for path, extra, facts in cases:
+    proc = _run(tmp_path / "out", path, *extra)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line, = proc.stderr.strip().splitlines()
+    for fact in facts:
+      assert fact in line, (fact, line)
+  assert not (tmp_path / "out").exists()
