@@ -1,11 +1,14 @@
 """End to end: the main job on the tiny config, then verify / rescore / regenerate."""
 
+import collections
 import json
+import math
 
 import numpy as np
 import pytest
 
 from configs import main_table as main_table_config
+from lla import provenance
 from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
@@ -51,48 +54,99 @@ def test_study_verifies_and_rescores(finished):
 
 
 def test_predictions_regenerate_bit_for_bit(finished):
-  config, workdir, _ = finished
-  result = regenerate.check(str(workdir / main_table.STUDY))
-  assert result.problems == [] and result.provenance == []
-  # The decoy-row records are produced by their own driver, not replay: listed, not redone.
-  # Per seed and arm: decoy_structural, decoy_norm and 3 features x classifiers content probes.
-  n_decoy = config.decoy.num_seeds * 2 * (2 + 3 * len(config.decoy.probe.classifiers))
-  assert len(result.skipped) == n_decoy
-  assert all(s.startswith("decoy/") and "runs in its own driver" in s for s in result.skipped)
-
-
-# Decisions of the tiny main job: 3 fine-tuned models x 48 documents per defended capture,
-# so that the floor (about 0.7 pp) allows PASS and FAIL. The decoy-row configurations have
-# no undefended run of their family (the decoy experiment's positive control is its own
-# leak injection), so the scorecard policy cannot decide them.
-# Measured (envelope pp, floor 0.81 pp): projection -3.9; gaussian 1.5, topk 2.6, quantize
-# 44, mixup 30, gradient_clip_noise 94, nopeek 96; decoy rows 40 (no mitigation), 0.3.
-TINY_DECISIONS = {
-    # PASS before the adaptive attacks (PROTOCOL 5a): projection_adaptive recovers the text.
-    "projection_enabledTrue": "FAIL",
-    "gaussian_sigma0.3": "FAIL", "topk_sparsity0.75": "FAIL", "quantize_bits2": "FAIL",
-    "mixup_m2": "FAIL", "gradient_clip_noise_clip_norm0.01": "FAIL", "nopeek_alpha1.0": "FAIL",
-    "decoy_rows/none": "INSUFFICIENT_EVIDENCE", "decoy_rows/mitigated": "INSUFFICIENT_EVIDENCE",
-}
-
-
-def test_tiny_gates_decide(finished):
+  """A spot check, one record per module (regenerating all 269 costs 4 minutes here; the
+  replay tests regenerate whole runs): every replay module's first record bit for bit, the
+  decoy-row modules (their own driver) listed, not redone."""
   _, workdir, _ = finished
+  study = str(workdir / main_table.STUDY)
+  result = regenerate.check(study, per_attack=1)
+  # Same stack as recorded; only the checkout may differ (a commit made while the job ran).
+  assert result.problems == [] and not any(provenance.numeric(p) for p in result.provenance)
+  first = {}
+  for record in rundir.load_records(study):
+    if record.status == "ok":
+      first.setdefault(record.attack, record.run_id)
+  decoy = {a for a in first if a.startswith("decoy_")}
+  assert decoy and len(first) - len(decoy) > 20, sorted(first)
+  assert sorted(result.regenerated) == sorted(i for a, i in first.items() if a not in decoy)
+  assert sorted(s.split(":")[0] for s in result.skipped) == sorted(first[a] for a in decoy)
+  assert all("runs in its own driver" in s for s in result.skipped)
+
+
+# The gate rule of PROTOCOL section 5, written out again here (not lla.scoring's code): the
+# one-sided Wilson upper bound, counts pooled over seeds per module (a module scored on
+# t >= 1 apart), excess = 100 (U(p, n) - p0), floor = 100 (U(p0, n) - p0).
+_Z, _THRESHOLD_PP, _MIN_SEEDS = 2.5392, 1.0, 3
+
+
+def _wilson_upper(p: float, n: int) -> float:
+  z2 = _Z * _Z
+  return (p + z2 / (2 * n) + _Z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+
+
+def _pooled(study: str, records) -> dict[str, tuple[float, float, int]]:
+  """Module key -> (excess pp, floor pp, model seeds), from the predictions and truth files."""
+  sums, seeds = collections.defaultdict(lambda: np.zeros(3, np.int64)), collections.defaultdict(set)
+  for r in records:
+    truth = np.asarray(rundir.load_truth(rundir.resolve(study, r.truth_file)))
+    pred = np.load(rundir.resolve(study, r.prediction_file))
+    first = {"all": 0, "t>=1": 1}[r.scored_positions]
+    key = r.attack if first == 0 else f"{r.attack}[t>=1]"
+    sums[key] += [(pred == truth)[:, first:].sum(), (truth[:, first:] == r.baseline_token).sum(),
+                  truth[:, first:].size]
+    seeds[key].add(r.model_seed)
+  return {k: (100 * (_wilson_upper(h / n, n) - b / n), 100 * (_wilson_upper(b / n, n) - b / n),
+              len(seeds[k])) for k, (h, b, n) in sums.items()}
+
+
+def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
+  """Each defended gate's envelope, floor, seeds, positive control and decision, recomputed
+  from the study's prediction and truth files with the rule written out above."""
+  _, workdir, _ = finished
+  study = str(workdir / main_table.STUDY)
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
-  decisions = {g["config"]["defense_params"].get("label") or
-               f"decoy_rows/{g['config']['defense_params']['mitigation']}": g["decision"]
-               for g in card["gates"]}
-  assert decisions == TINY_DECISIONS
+  records = rundir.load_records(study)
+  by_id = {r.run_id: r for r in records}
   for gate in card["gates"]:
-    assert gate["n_seeds"] == 3
     if gate["config"]["defense"] == "decoy_rows":
+      continue
+    group = [r for r in records if r.status == "ok" and
+             all(getattr(r, f) == v for f, v in gate["config"].items())]
+    rows = _pooled(study, group)
+    argmax = max(rows, key=lambda k: rows[k][0])
+    envelope, floor = rows[argmax][0], max(f for _, f, _ in rows.values())
+    seeds = min(s for _, _, s in rows.values())
+    references = collections.defaultdict(set)  # family -> its linked undefended runs
+    for r in group:
+      assert r.reference is not None, r.run_id  # the main job links every defended run
+      references[r.family].add(r.reference)
+    control = any(max(e for e, _, _ in _pooled(study, [by_id[i] for i in ids]).values())
+                  > _THRESHOLD_PP for ids in references.values())
+    if seeds < _MIN_SEEDS or not control or floor > _THRESHOLD_PP:
+      expected = "INSUFFICIENT_EVIDENCE"
+    elif envelope > _THRESHOLD_PP:
+      expected = "FAIL"
+    else:  # tiny leaves the published attacks unmeasured on defended captures: no PASS
+      expected = "INSUFFICIENT_EVIDENCE"
+    label = gate["config"]["defense_params"].get("label")
+    assert gate["decision"] == expected, (label, gate["reasons"])
+    assert gate["envelope"]["envelope_pp"] == pytest.approx(envelope, abs=1e-9), label
+    assert gate["envelope"]["floor_pp"] == pytest.approx(floor, abs=1e-9), label
+    assert gate["envelope"]["argmax"] == argmax and gate["n_seeds"] == seeds == 3, label
+    # The sample allows both decisions: 3 models x 48 documents put the floor under 1 pp.
+    assert floor < _THRESHOLD_PP, (label, floor)
+    assert any(r.startswith("fitting attack(s) unmeasured: bisr") for r in gate["reasons"])
+  assert len([g for g in card["gates"] if g["config"]["defense"] != "decoy_rows"]) == 7
+  for gate in card["gates"]:
+    if gate["config"]["defense"] == "decoy_rows":
+      # The decoy-row configurations have no undefended run of their family (the decoy
+      # experiment's positive control is its own leak injection): the policy cannot decide.
+      assert gate["decision"] == "INSUFFICIENT_EVIDENCE" and gate["n_seeds"] == 3
       assert any("no positive control" in r for r in gate["reasons"]), gate["reasons"]
       # Decoy frames are an observation kind of their own: only decoy attacks fit them.
       assert all(n.startswith("decoy_") for n in gate["fitting"]["fitting"]), gate["fitting"]
-    else:
-      assert gate["envelope"]["floor_pp"] < 1.0, gate["envelope"]
-      # tiny skips the published attacks on defended captures: named, so no PASS.
-      assert any(r.startswith("fitting attack(s) unmeasured: bisr") for r in gate["reasons"])
+  # PROTOCOL 5a: the projection PASSes the attacks that ignore it; its adaptive attack sets
+  # the envelope.
   projection, = [g for g in card["gates"] if g["config"]["defense"] == "projection"]
   assert projection["envelope"]["argmax"] == "projection_adaptive"
   # The policy's primary test is at k = 6; tiny has k = 2 only: not evaluated, and says why.
@@ -159,15 +213,33 @@ SYNTHETIC_DECISIONS = {"projection": "PASS", "gaussian": "FAIL",
                        "mixup": "INSUFFICIENT_EVIDENCE"}
 
 
+# The attacks that fit a projection-defended training capture (h and g) under public
+# knowledge, listed by hand from their declarations (PROTOCOL section 5a): every passive
+# module reading h and/or g, with the projection's own adaptive attack and the defense-aware
+# baselines (the projection acts on h); not the adaptive attacks of other mechanisms, not the
+# negative controls (random_candidates, shuffled_gradients), not fsha_decode (active tier),
+# not the decoy-row modules (their own observations).
+PROJECTION_FITTING = ("activation", "activation_defense_aware", "activation_flop_matched",
+                      "bisr", "bisr_b", "bisr_f", "eia", "gradient_only", "gradient_only_t1",
+                      "joint", "joint_defense_aware", "lamp", "projection_adaptive", "ridge",
+                      "sip", "sip_linear", "sipit", "tag")
+
+
+def _plugins() -> tuple[str, ...]:
+  """Attacks other test modules of this process registered: scoring records them in the
+  study's threat space too, so the synthetic study measures them (recovering nothing)."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  return tuple(n for n in registry.names() if not registry.source(n)["module"].startswith("lla."))
+
+
 def _synthetic_specs():
   from lla.attacks import registry  # pylint: disable=g-import-not-at-top
-  from lla.scoring import gates  # pylint: disable=g-import-not-at-top
   from lla.scoring import synthetic as syn  # pylint: disable=g-import-not-at-top
   # A PASS needs every registered attack that fits the defended capture measured (PROTOCOL
   # section 5a): under the projection, each of them recovers nothing.
-  others = [(m["name"], m["family"]) for m in gates.fitting_modules(
-      registry.module_entries(), None, "public", "projection")
-            if m["name"] not in ("activation", "joint")]
+  family = {m["name"]: m["family"] for m in registry.module_entries()}
+  others = [(name, family[name]) for name in PROJECTION_FITTING + _plugins()
+            if name not in ("activation", "joint")]
   specs = []
   for m in range(3):
     specs += [syn.Spec(name, family, 0, m, defense="projection") for name, family in others]
@@ -202,6 +274,10 @@ def test_synthetic_study_decisions(synthetic):
   _, _, card, _ = synthetic
   decisions = {g["config"]["defense"]: g["decision"] for g in card["gates"]}
   assert decisions == SYNTHETIC_DECISIONS
+  # The rule's fitting set is the hand-listed one: a PASS rests on every one of them.
+  projection, = [g for g in card["gates"] if g["config"]["defense"] == "projection"]
+  assert sorted(set(projection["fitting"]["fitting"]) - set(_plugins())) == sorted(
+      PROJECTION_FITTING)
   reasons = {g["config"]["defense"]: g["reasons"] for g in card["gates"]}
   assert reasons["mixup"][0] == "2 independent seed(s), policy needs >= 3"
   assert reasons["gaussian"][0].startswith("envelope ") and "> 1 pp" in reasons["gaussian"][0]
