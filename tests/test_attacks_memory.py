@@ -1,19 +1,27 @@
 """lla.attacks.memory: the working-set formulas against XLA's own memory analysis of the
-compiled stages, and the estimate's chunks against the Workspace's chunking."""
+compiled stages, the estimate's chunks against the Workspace's chunking, and the resident
+parameters against the leaves of every family's parameter tree."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lla.attacks.seed import beam
 from lla.attacks import memory
 from lla.attacks import candidates as cand_lib
 from lla.attacks.workspace import Workspace, chunk_plan
 from lla.capture import store
+from lla.model import cost, decoder, gpt2
+from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
+from tests.test_attacks_families import CONFIGS as FAMILY_CONFIGS
 from tests.test_attacks_units import random_params
 
 CFG = GPT2Config(vocab_size=1000, n_positions=32, n_embd=64, n_head=4, n_layer=3)
+# MQA: one KV head for four query heads, so the beam's caches are a quarter of GPT-2's.
+MQA = DecoderConfig(family="llama", vocab_size=1000, n_positions=32, n_embd=64, n_layer=3,
+                    n_head=4, n_kv_head=1, head_dim=16, d_ff=128, tie_embeddings=False)
 DOCS, T, CUT = 4, 32, 2
 
 
@@ -42,6 +50,11 @@ def test_formulas_bound_xla_memory_within_a_factor_of_three():
           params, beam.start(h, cfg=CFG, k=CUT, width=2), jnp.int32(3),
           jnp.zeros((DOCS, 8), jnp.int32), jnp.zeros((DOCS, d)), cfg=CFG),
                     memory.beam_bytes_per_doc(d, CUT, T, 2, 8)),
+      # Without the KV width the formula would count d-wide keys: 4x what XLA holds.
+      "beam_step_mqa": (beam.step.lower(
+          decoder.random_params(MQA, 0), beam.start(h, cfg=MQA, k=CUT, width=2), jnp.int32(3),
+          jnp.zeros((DOCS, 8), jnp.int32), jnp.zeros((DOCS, d)), cfg=MQA),
+                        memory.beam_bytes_per_doc(d, CUT, T, 2, 8, cost.kv_width(MQA))),
   }
   for name, (lowered, per_doc) in cases.items():
     measured = xla_bytes(lowered)
@@ -81,3 +94,32 @@ def test_describe_replay_reads_shapes_without_the_messages(tmp_path):
   want = memory.ranking_bytes_per_doc(T, CFG.vocab_size, CFG.n_embd, 32) / 2**20
   assert f"{want:10.2f}" in text and "beam_search" in text
   assert f"{memory.resident_bytes(CFG, 5, T, True) / 2**20:.0f} MiB" in text
+
+
+# Every family's tiny config, plus a RoPE config with the options none of them has:
+# LayerNorm, a gelu (ungated) MLP, o and MLP biases, Qwen3's q/k norms, GQA.
+PARAMETER_CONFIGS = dict(
+    FAMILY_CONFIGS, mqa=MQA,
+    options=DecoderConfig(family="llama", vocab_size=50, n_positions=8, n_embd=24, n_layer=2,
+                          n_head=3, n_kv_head=1, head_dim=10, d_ff=40, norm="layernorm",
+                          mlp="gelu", qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True,
+                          tie_embeddings=False))
+
+
+@pytest.mark.parametrize("family", list(PARAMETER_CONFIGS))
+def test_resident_parameters_are_the_leaves_of_the_parameter_tree(family):
+  """lla.model.cost.param_count (what resident_bytes holds) against the entries of every
+  leaf of the family's parameter tree (GQA's narrower k and v, a gated MLP's three
+  matrices, an untied head, biases and norms)."""
+  cfg = PARAMETER_CONFIGS[family]
+  init = gpt2.init_params if isinstance(cfg, GPT2Config) else decoder.init_params
+  shapes = jax.eval_shape(lambda key: init(cfg, key), jax.random.key(0))
+  leaves = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes))
+  assert cost.param_count(cfg) == leaves
+  if isinstance(cfg, DecoderConfig):  # random_params draws the same tree
+    drawn = decoder.random_params(cfg, 0)
+    assert sum(leaf.size for leaf in jax.tree_util.tree_leaves(drawn)) == leaves
+  docs, seq_len = 3, 5
+  messages = docs * seq_len * cfg.n_embd
+  assert memory.resident_bytes(cfg, docs, seq_len, True) == 4.0 * leaves + 8.0 * messages
+  assert memory.resident_bytes(cfg, docs, seq_len, False) == 4.0 * leaves + 4.0 * messages

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -87,9 +88,9 @@ def gradient_of_labels(lin: Linearized, wte: jax.Array, labels: jax.Array,
 
 def body_flops(cfg: GPT2Config, k: int, seq_len: int) -> float:
   """Matmul FLOPs of one document's forward through blocks k..L-1: per token and block
-  qkv 6d^2, projection 2d^2, MLP 16d^2, attention 4Td."""
-  d = cfg.n_embd
-  return float(cfg.n_layer - k) * seq_len * (24.0 * d * d + 4.0 * seq_len * d)
+  every weight matrix (q, k, v, o, the MLP's) and attention 4 T H D
+  (lla.model.cost.token_block_flops; GPT-2: qkv 6d^2, projection 2d^2, MLP 16d^2, 4Td)."""
+  return float(cfg.n_layer - k) * seq_len * cost.token_block_flops(cfg, seq_len)
 
 
 def linearize_flops(cfg: GPT2Config, k: int, seq_len: int) -> float:

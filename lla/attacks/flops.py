@@ -11,16 +11,25 @@ the captured documents, their length and the calibration documents), `budget` a 
 every declared budget field (defaults filled in). The shared stages' formulas are here,
 the same arithmetic as the Workspace's:
 
-  calibration_activations   2 N T k (12 d^2 + T d)     the client on N calibration documents
+  calibration_activations   2 N T k (W + T A)          the client on N calibration documents
   ridge                     2 (2 N T d (2 d) + d^3 / 3 + 2 d^3)   the fit, counted twice as
                                                        the Workspace does (stage + host)
   activation_candidates     2 B T V d + 2 B T d^2      decode and distances to every row
   gradient_ranking          2 B T V d                  <-g, wte[v]> for every row
 
+W is the weight-matrix entries of one block and A = H D the attention width, read from the
+config (lla.model.cost: GPT-2 12 d^2 and d; a RoPE family q, k, v, o with GQA and a gated
+or gelu MLP). Attacks' per-block costs use `cost.token_block_flops` (2 W + 4 T A a token
+and block: GPT-2's 24 d^2 + 4 T d). The ridge decoder (d x d) and the vocabulary head
+(V x d, tied or not) are the same for every family.
+
 A sweep asks for a cost instead of a budget (lla.sweep.isoflop): it evaluates the model on
 a ladder of knob values and places the attack at the value whose predicted cost lands
 nearest each FLOP level. The record's XLA count stays what is compared; the analytic
-model is within ~10% of it on the built-in attacks (their records hold both).
+model counts matrix products only, so XLA's count lies above it (their records hold both):
+1.0-1.3x on a tiny GPT-2 and a tiny GQA Llama, the ridge fit's second count taken off
+(tests/test_attacks_flops.py), less at realistic widths, where elementwise work is a
+smaller share.
 
 A model may be a lower bound (`lower_bound=True`): SipIt's search stops where a token
 verifies, so its cost depends on the data; its model counts the work every run does.
@@ -37,6 +46,8 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
 from lla.attacks import ridge
+from lla.model import cost
+from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
 
 
@@ -45,7 +56,7 @@ class Shape:
   """What a run's cost depends on besides its budget. Its attributes are named as the
   Workspace's, so that formulas written against a workspace take it too."""
 
-  cfg: GPT2Config
+  cfg: GPT2Config | DecoderConfig
   cut: int
   num_docs: int
   seq_len: int
@@ -76,8 +87,9 @@ def model(name: str) -> FlopModel | None:
   return _MODELS.get(name.removesuffix("_defense_aware"))
 
 
-def attack_flops(name: str, cfg: GPT2Config, cut: int, num_docs: int, seq_len: int,
-                 budget: dict, n_calibration: int, gradients: bool = True) -> float | None:
+def attack_flops(name: str, cfg: GPT2Config | DecoderConfig, cut: int, num_docs: int,
+                 seq_len: int, budget: dict, n_calibration: int,
+                 gradients: bool = True) -> float | None:
   """Predicted analytic FLOPs of running attack `name` with `budget` (missing fields at
   their defaults) on num_docs documents of seq_len tokens at cut `cut`, with
   n_calibration calibration documents (and the capture's g where `gradients`); None for an
@@ -94,8 +106,11 @@ def attack_flops(name: str, cfg: GPT2Config, cut: int, num_docs: int, seq_len: i
 
 
 def calibration_activations(s: Shape) -> float:
-  d, rows = s.cfg.n_embd, s.n_calibration * s.seq_len
-  return 2.0 * rows * s.cut * (12 * d * d + s.seq_len * d)
+  """The client on the calibration documents: per position and block, 2 FLOPs for each
+  weight-matrix entry, and T A for attention (half the 4 T A its scores and values
+  compute: the causal half). GPT-2: 2 N T k (12 d^2 + T d)."""
+  rows, width = s.n_calibration * s.seq_len, cost.attention_width(s.cfg)
+  return 2.0 * rows * s.cut * (cost.block_weights(s.cfg) + s.seq_len * width)
 
 
 def ridge_fit(s: Shape) -> float:
@@ -105,7 +120,8 @@ def ridge_fit(s: Shape) -> float:
 
 
 def activation_ranking(s: Shape) -> float:
-  """The `activation_candidates` stage with the ridge fit it reads."""
+  """The `activation_candidates` stage with the ridge fit it reads (the decode, 2 B T d^2,
+  is the ridge's d x d map, not a block)."""
   positions = s.num_docs * s.seq_len
   return (cand_lib.candidate_flops(positions, s.cfg.vocab_size, s.cfg.n_embd)
           + 2.0 * positions * s.cfg.n_embd**2 + ridge_fit(s))

@@ -11,12 +11,15 @@ estimate printed before a run (`estimate`, `format_estimate`) are the same arith
                                               (key, index) slots, sorted once; no [T, V]
   random-candidate fill  18 T V               random bits, Gumbel noise, the exclusion
                                               mask, the masked noise and top-k's copy
-  beam search             4 (3 W k 2 T d      KV caches of W beams (old, gathered, new)
-                          + W C (2 k d + 8 d))  and the W*C one-token steps
+  beam search             4 (3 W k 2 T d_kv   KV caches of W beams (old, gathered, new)
+                          + W C (2 k d_kv       and the W*C one-token steps (their new keys
+                                 + 8 d))        and values, activations)
 
-(T tokens per document, d width, V vocabulary, k cut, W beam width, C candidates.)
-Besides its chunk, a replay holds the attacker's parameters and the capture's messages
-for the whole run (`resident_bytes`).
+(T tokens per document, d width, d_kv = H_kv D the key width (d for GPT-2, less under
+GQA), V vocabulary, k cut, W beam width, C candidates.) Besides its chunk, a replay holds
+the attacker's parameters and the capture's messages for the whole run (`resident_bytes`:
+the parameter count read from the config, lla.model.cost.param_count: GQA's narrower k and
+v, a gated MLP's three matrices, an untied head).
 
 The chunk budget: on CPU the configured one; on GPU and TPU, where the device reports its
 memory, half of what is free on each device (XLA's pool less what is in use), summed over
@@ -36,6 +39,7 @@ from safetensors import safe_open
 from lla.attacks import registry
 from lla.capture import store
 from lla.evidence import files
+from lla.model import cost
 from lla.model.gpt2 import GPT2Config
 
 DEVICE_FRACTION = 0.5  # of a device's free memory given to one chunk's working set
@@ -67,16 +71,19 @@ def random_fill_bytes_per_doc(seq_len: int, vocab: int) -> float:
   return 18.0 * seq_len * vocab
 
 
-def beam_bytes_per_doc(d: int, cut: int, seq_len: int, width: int, num_candidates: int) -> float:
-  """One document's beam-search step: caches (old, gathered, new) and the W*C steps."""
-  return 4.0 * (3 * width * cut * 2 * seq_len * d
-                + width * num_candidates * (2 * cut * d + 8 * d))
+def beam_bytes_per_doc(d: int, cut: int, seq_len: int, width: int, num_candidates: int,
+                       kv: int | None = None) -> float:
+  """One document's beam-search step: caches (old, gathered, new) and the W*C steps.
+  `kv` is the key (and value) width H_kv D, d when not given (GPT-2)."""
+  kv = d if kv is None else kv
+  return 4.0 * (3 * width * cut * 2 * seq_len * kv
+                + width * num_candidates * (2 * cut * kv + 8 * d))
 
 
 def resident_bytes(cfg: GPT2Config, num_docs: int, seq_len: int, gradients: bool) -> float:
-  """Held for the whole replay: float32 parameters, h (and g) of every document."""
-  params = cfg.vocab_size * cfg.n_embd + cfg.n_positions * cfg.n_embd \
-      + cfg.n_layer * (12 * cfg.n_embd**2 + 13 * cfg.n_embd) + 2 * cfg.n_embd
+  """Held for the whole replay: float32 parameters (every one, from the config: GPT-2's
+  V d + n_positions d + L (12 d^2 + 13 d) + 2 d), h (and g) of every document."""
+  params = cost.param_count(cfg)
   return 4.0 * params + 4.0 * num_docs * seq_len * cfg.n_embd * (2 if gradients else 1)
 
 

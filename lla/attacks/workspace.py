@@ -38,6 +38,7 @@ from lla import runtime
 from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
 from lla.attacks import ridge
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -440,13 +441,15 @@ class Workspace:
 
   def calibration_activations(self) -> np.ndarray:
     """[N, T, d] the attacker's client on its calibration documents (stage
-    `calibration_activations`)."""
-    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    `calibration_activations`; analytic FLOPs as lla.attacks.flops.calibration_activations:
+    2 per weight-matrix entry of each block, T H D for attention)."""
+    rows, width = self.calibration_tokens.size, cost.attention_width(self.cfg)
     compute = lambda: np.asarray(self.call(split.client, self.params, cfg=self.cfg,
                                            tokens=jnp.asarray(self.calibration_tokens),
                                            k=self.cut))
     return self.stage("calibration_activations", compute,
-                      analytic=2.0 * rows * self.cut * (12 * d * d + self.seq_len * d))
+                      analytic=2.0 * rows * self.cut * (cost.block_weights(self.cfg)
+                                                        + self.seq_len * width))
 
   def _fit_ridge(self) -> ridge.RidgeDecoder:
     h_cal = self.calibration_activations()
@@ -477,6 +480,7 @@ class Workspace:
     """
     decoder, wte, vocab = self.decoder, self.wte, self.cfg.vocab_size
     positions = self.num_docs * self.seq_len
+    # The distances to every row, and the ridge decode (its d x d map, for every family).
     analytic = (cand_lib.candidate_flops(positions, vocab, self.cfg.n_embd)
                 + 2.0 * positions * self.cfg.n_embd**2)
     compute = lambda: self.map_call(

@@ -21,6 +21,7 @@ from lla.attacks.seed import beam_attacks
 from lla.attacks import candidates as cand_lib
 from lla.attacks import ridge
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 from lla.model import split
 
 
@@ -76,9 +77,10 @@ def client_rows(ws: Workspace, tokens: np.ndarray) -> np.ndarray:
 
 
 def client_flops(ws: Workspace, num_rows: int) -> float:
-  """Matmul FLOPs of the client on num_rows token positions (full forward)."""
-  d = ws.cfg.n_embd
-  return 2.0 * num_rows * ws.cut * (12 * d * d + ws.seq_len * d)
+  """Matmul FLOPs of the client on num_rows token positions (full forward), counted as
+  lla.attacks.flops.calibration_activations counts it."""
+  width = cost.attention_width(ws.cfg)
+  return 2.0 * num_rows * ws.cut * (cost.block_weights(ws.cfg) + ws.seq_len * width)
 
 
 def attack_through(ws: Workspace, params, num: int, width: int):

@@ -47,6 +47,7 @@ from lla.attacks import registry, ridge
 from lla.attacks.workspace import Workspace
 from lla.defenses import aware
 from lla.defenses.activations import clip_rows
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -230,7 +231,7 @@ class LikelihoodBeam:
                 + cand_lib.candidate_flops(ws.activations.size // d, cfg.vocab_size, d))
     if prior_weight > 0:
       analytic += ws.num_docs * ws.seq_len * width * (
-          (cfg.n_layer - ws.cut) * (24.0 * d * d + 4.0 * ws.seq_len * d)
+          (cfg.n_layer - ws.cut) * cost.token_block_flops(cfg, ws.seq_len)
           + 2.0 * cfg.vocab_size * d)
     return registry.AttackResult(predictions.astype(np.int32), analytic, {
         "mechanism": dataclasses.asdict(mechanism), "attacker_seed": attacker_seed,

@@ -49,6 +49,7 @@ from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
 from lla.attacks.adaptive.projection_adaptive import first_rows
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 from lla.model import split
 
 budget_lib.declare("mixup_candidates", 16, int, low=1, high=budget_lib.VOCAB,
@@ -219,7 +220,7 @@ class MixupAdaptive:
     if m < 1:
       raise ValueError(f"mixup m={m} must be >= 1")
     cfg, d, vocab, seq_len = ws.cfg, ws.cfg.n_embd, ws.cfg.vocab_size, ws.seq_len
-    per_token = ws.cut * (24.0 * d * d + 4.0 * seq_len * d)
+    per_token = ws.cut * cost.token_block_flops(cfg, seq_len)  # a client forward
     analytic = vocab * per_token
     table = ws.map_call(first_rows, (np.arange(vocab, dtype=np.int32),), 64.0 * d,
                         consts=(ws.params,), cfg=cfg, k=ws.cut).astype(np.float64)

@@ -28,6 +28,7 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.defenses.nopeek import distance_correlation
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -116,7 +117,10 @@ class NoPeekAdaptive:
   def _train_flops(self, ws: Workspace, steps: int) -> float:
     d, cfg = ws.cfg.n_embd, ws.cfg
     tokens = ws.calibration_tokens.size
-    forward = 2.0 * tokens * (cfg.n_layer * (12 * d * d + ws.seq_len * d) + cfg.vocab_size * d)
+    # The whole model's forward (every block as flops.calibration_activations counts one,
+    # then the head); training is three times that.
+    block = cost.block_weights(cfg) + ws.seq_len * cost.attention_width(cfg)
+    forward = 2.0 * tokens * (cfg.n_layer * block + cfg.vocab_size * d)
     return steps * 3.0 * forward
 
 

@@ -94,6 +94,7 @@ from lla.attacks import registry
 from lla.attacks import ridge
 from lla.attacks.workspace import Workspace
 from lla.defenses import random_projection
+from lla.model import cost
 from lla.model import split
 
 budget_lib.declare("projection_candidates", 64, int, low=1, high=budget_lib.VOCAB,
@@ -472,7 +473,7 @@ class _GramRun:
     self.first = min(int(budget.projection_candidates), self.vocab)
     self.limit = min(max(int(budget.projection_max_candidates), self.first), self.vocab)
     self.wide = min(_WIDE * self.first, self.vocab)
-    self.per_token = ws.cut * (24.0 * self.d * self.d + 4.0 * ws.seq_len * self.d)
+    self.per_token = ws.cut * cost.token_block_flops(ws.cfg, ws.seq_len)  # a client step
     # A (beam, candidate) pair: the client step, its Gram row, its coordinates in B.
     self.pair_flops = self.per_token + 2.0 * ws.seq_len * self.d + 2.0 * self.d**2
     self.analytic = 0.0
@@ -745,7 +746,7 @@ class _EstimateRun:
     cfg = ws.cfg
     self.d = cfg.n_embd
     self.num = min(int(budget.projection_candidates), cfg.vocab_size)
-    self.per_token = ws.cut * (24.0 * self.d * self.d + 4.0 * ws.seq_len * self.d)
+    self.per_token = ws.cut * cost.token_block_flops(ws.cfg, ws.seq_len)  # a client step
     self.empty_cache = np.zeros((ws.num_docs, ws.cut, 2, ws.seq_len, cfg.n_kv_head,
                                  cfg.head_dim), np.float32)
 

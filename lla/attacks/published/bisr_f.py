@@ -35,6 +35,7 @@ from lla.attacks import flops
 from lla.attacks import optimise, registry
 from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -111,14 +112,17 @@ def bytes_per_doc(ws: Workspace) -> float:
 
 def step_flops(cfg: GPT2Config, k: int, seq_len: int) -> float:
   """Analytic matmul FLOPs of one step of one document: the client forward
-  (24 d^2 + 4 T d per token and block) and its input-gradient backward (no weight
-  gradients: as much again for the projections, twice for the attention products)."""
-  d = cfg.n_embd
-  return float(seq_len * k * (48.0 * d * d + 12.0 * seq_len * d))
+  (2 W + 4 T H D per token and block, W the block's weight-matrix entries; GPT-2
+  24 d^2 + 4 T d) and its input-gradient backward (no weight gradients: as much again for
+  the projections, twice for the attention products): 4 W + 12 T H D."""
+  weights, width = cost.block_weights(cfg), cost.attention_width(cfg)
+  return float(seq_len * k * (4.0 * weights + 12.0 * seq_len * width))
 
 
 def refine_flops(cfg: GPT2Config, k: int, num_docs: int, seq_len: int, steps: int) -> float:
-  forward = seq_len * k * (24.0 * cfg.n_embd**2 + 4.0 * seq_len * cfg.n_embd)
+  """The steps, the client forward at the end (per token and block
+  lla.model.cost.token_block_flops) and the decode against the input table."""
+  forward = seq_len * k * cost.token_block_flops(cfg, seq_len)
   decode = 2.0 * seq_len * cfg.vocab_size * cfg.n_embd
   return num_docs * (steps * step_flops(cfg, k, seq_len) + forward + decode)
 

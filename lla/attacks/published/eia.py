@@ -38,6 +38,7 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import flops
 from lla.attacks import optimise, registry
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -116,9 +117,10 @@ def mapper(ws: Workspace, budget, key: jax.Array):
   epochs = int(budget.eia_mapper_epochs)
   n, t = ws.calibration_tokens.shape
   d = ws.cfg.n_embd
-  per_doc = t * (2 * 2 * d * d)
-  # h_k of the calibration documents is the workspace's stage; h_1 is computed here.
-  analytic = (2.0 * n * t * (12 * d * d + t * d)
+  per_doc = t * (2 * 2 * d * d)  # the mapper's own d x d maps
+  # h_k of the calibration documents is the workspace's stage; h_1 (one block, counted as
+  # flops.calibration_activations counts a block) is computed here.
+  analytic = (2.0 * n * t * (cost.block_weights(ws.cfg) + t * cost.attention_width(ws.cfg))
               + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH))
   stage_key = jax.random.fold_in(key, zlib.crc32(b"eia_mapper") & 0x7FFFFFFF)
   params, trained_epochs = ws.stage("eia_mapper", lambda: _train_mapper(ws, epochs, stage_key),
@@ -201,9 +203,12 @@ def bytes_per_doc(ws: Workspace, stop: int) -> float:
 def step_flops(cfg: GPT2Config, stop: int, seq_len: int) -> float:
   """Analytic FLOPs of one step of one document: softmax(Z / tau) wte and its backward
   (2 T V d each), ~20 elementwise operations per entry of Z (softmax, its backward,
-  AdamW), and the client forward + input-gradient backward through `stop` blocks."""
+  AdamW), and the client forward + input-gradient backward through `stop` blocks
+  (4 W + 12 T H D a token and block, as bisr_f.step_flops; GPT-2 48 d^2 + 12 T d)."""
   d, v = cfg.n_embd, cfg.vocab_size
-  return float(seq_len * (4.0 * v * d + 20.0 * v + stop * (48.0 * d * d + 12.0 * seq_len * d)))
+  weights, width = cost.block_weights(cfg), cost.attention_width(cfg)
+  return float(seq_len * (4.0 * v * d + 20.0 * v
+                          + stop * (4.0 * weights + 12.0 * seq_len * width)))
 
 
 def run_chunk(ws: Workspace, budget, key, h, doc_index, mapper_params=None,
@@ -243,9 +248,11 @@ class Eia:
                                                   bytes_per_doc(ws, stop))
     steps = int(budget.eia_steps)
     d = ws.cfg.n_embd
+    # The steps; at the end the decode, the client forward (per token and block
+    # cost.token_block_flops) and the mapper's d x d maps.
+    block = cost.token_block_flops(ws.cfg, ws.seq_len)
     analytic = ws.num_docs * (steps * step_flops(ws.cfg, stop, ws.seq_len)
-                              + ws.seq_len * (2.0 * ws.cfg.vocab_size * d
-                                              + stop * (24.0 * d * d + 4.0 * ws.seq_len * d)
+                              + ws.seq_len * (2.0 * ws.cfg.vocab_size * d + stop * block
                                               + (4.0 * d * d if mapped else 0.0)))
     details = optimise.loss_summary(losses, final)
     details["mapper"] = mapped
@@ -275,8 +282,8 @@ registry.register(Eia(registry.AttackSpec(
 def mapper_flops(s: flops.Shape, epochs: int) -> float:
   """The `eia_mapper` stage with the calibration activations it reads."""
   n, t, d = s.n_calibration, s.seq_len, s.cfg.n_embd
-  per_doc = t * (2 * 2 * d * d)
-  return (2.0 * n * t * (12 * d * d + t * d)
+  per_doc = t * (2 * 2 * d * d)  # the mapper's own d x d maps
+  return (2.0 * n * t * (cost.block_weights(s.cfg) + t * cost.attention_width(s.cfg))
           + epochs * 3.0 * per_doc * MAPPER_BATCH * -(-n // MAPPER_BATCH)
           + flops.calibration_activations(s))
 
@@ -284,9 +291,9 @@ def mapper_flops(s: flops.Shape, epochs: int) -> float:
 def _eia_flops(s: flops.Shape, budget: dict) -> float:
   mapped = bool(budget["eia_mapper"]) and s.cut > 1
   stop, d = (1 if mapped else s.cut), s.cfg.n_embd
+  block = cost.token_block_flops(s.cfg, s.seq_len)
   own = s.num_docs * (int(budget["eia_steps"]) * step_flops(s.cfg, stop, s.seq_len)
-                      + s.seq_len * (2.0 * s.cfg.vocab_size * d
-                                     + stop * (24.0 * d * d + 4.0 * s.seq_len * d)
+                      + s.seq_len * (2.0 * s.cfg.vocab_size * d + stop * block
                                      + (4.0 * d * d if mapped else 0.0)))
   return own + (mapper_flops(s, int(budget["eia_mapper_epochs"])) if mapped else 0.0)
 

@@ -56,6 +56,7 @@ from lla.attacks import flops
 from lla.attacks import registry
 from lla.attacks.published import sip
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 from lla.model import split
 
 FAMILY = "gradient_matching"
@@ -314,8 +315,9 @@ def nearest_first_message(params, h0: jax.Array, candidates: jax.Array, cfg, k: 
 
 
 def position0_flops(ws: Workspace, num_candidates: int) -> float:
-  """num_candidates one-token client forwards per document (qkv, projection, MLP)."""
-  return ws.num_docs * num_candidates * ws.cut * 24.0 * ws.cfg.n_embd**2
+  """num_candidates one-token client forwards per document: every weight matrix of each
+  block, 2 FLOPs an entry (GPT-2 24 d^2; attention over one position is not counted)."""
+  return ws.num_docs * num_candidates * ws.cut * 2.0 * cost.block_weights(ws.cfg)
 
 
 def random_tag_init(key: jax.Array) -> InitFn:

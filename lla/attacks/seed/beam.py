@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from lla.attacks import workspace
+from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -124,10 +125,12 @@ def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candi
                    seq_len: int) -> float:
   """Matmul FLOPs of the search: W*C one-token client steps per position and document.
 
-  Per step and block: qkv 6d^2, output projection 2d^2, MLP 16d^2, attention over the
-  prefix 4*T*d (scores and values, the whole cache length, as computed).
+  Per step and block: every weight matrix once, 2 FLOPs an entry (GPT-2: qkv 6d^2, output
+  projection 2d^2, MLP 16d^2; a RoPE family: q, k, v with GQA's narrower k and v, o, a
+  gated MLP's three matrices), attention over the prefix 4 T H D (scores and values per
+  query head, the whole cache length, as computed): lla.model.cost.token_block_flops.
   """
   d = cfg.n_embd
-  per_token_block = 24.0 * d * d + 4.0 * seq_len * d
+  per_token_block = cost.token_block_flops(cfg, seq_len)
   per_token = k * per_token_block + 2.0 * d  # + the cost's squared distance
   return float(num_docs) * seq_len * width * num_candidates * per_token

@@ -19,6 +19,7 @@ from lla.attacks import flops
 from lla.attacks import memory
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
+from lla.model import cost
 
 CandidateFn = Callable[[Workspace, object, jax.Array], np.ndarray]
 
@@ -42,7 +43,8 @@ class BeamAttack:
 
 def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
   """Working set of one document's search step (lla.attacks.memory)."""
-  return memory.beam_bytes_per_doc(ws.cfg.n_embd, ws.cut, ws.seq_len, width, num_candidates)
+  return memory.beam_bytes_per_doc(ws.cfg.n_embd, ws.cut, ws.seq_len, width, num_candidates,
+                                   cost.kv_width(ws.cfg))
 
 
 def run_beam(ws: Workspace, candidates: np.ndarray, width: int) -> np.ndarray:
@@ -180,7 +182,8 @@ def _ranking(cfg, seq_len, num, materialised):
 
 
 def _searched(cfg, cut, seq_len, budget, num):
-  return memory.beam_bytes_per_doc(cfg.n_embd, cut, seq_len, int(budget["beam_width"]), num)
+  return memory.beam_bytes_per_doc(cfg.n_embd, cut, seq_len, int(budget["beam_width"]), num,
+                                   cost.kv_width(cfg))
 
 
 def _activation_stages(cfg, cut, num_docs, seq_len, budget, materialised):
