@@ -147,8 +147,7 @@ def _seconds_by_hlo_op(trace_dir: Path, module: str) -> collections.Counter:
 
 def test_attribution_of_a_known_program(tmp_path):
   # The product: [n, m] x [m, n], 2 n^2 m = 268 MFLOPs; softmax and tanh: a few FLOPs on
-  # each of n^2 = 65,536 elements, some 200 times fewer (measured: the product takes about
-  # 85% of the traced time on 2 CPU cores).
+  # each of n^2 = 65,536 elements, some 200 times fewer.
   n, m = 256, 2048
   rng = np.random.default_rng(0)
   args = [jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
@@ -172,31 +171,24 @@ def test_attribution_of_a_known_program(tmp_path):
 
   executable(*args)[0].block_until_ready()
   module = re.match(r"HloModule (\S+?),", text).group(1)
-  shares = []
-  for attempt in range(3):  # the timing check may retry: the machine is shared
-    trace_dir = tmp_path / str(attempt)
-    jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
-    jax.block_until_ready(executable(*args))
-    jax.profiler.stop_trace()
-    spent = profile_beam.traced_seconds(str(trace_dir))
-    independent = _seconds_by_hlo_op(trace_dir, module)
-    # Every operation that ran is in both files with the same total.
-    assert set(independent) == set(work), (set(independent), set(work))
-    for name, seconds in independent.items():
-      assert spent[name] == pytest.approx(seconds, rel=1e-6, abs=1e-9), name
-    # The binary's attribution: seconds per kind over the classified instructions.
-    by_kind = collections.Counter()
-    for name, kind in kinds.items():
-      by_kind[kind] += spent.get(name, 0.0)
-    assert by_kind["projection GEMMs"] == pytest.approx(independent[product], rel=1e-6)
-    assert by_kind["attention"] == pytest.approx(sum(independent[s] for s in softmax),
-                                                 rel=1e-6)
-    assert by_kind["other"] == pytest.approx(sum(independent[s] for s in rest), rel=1e-6)
-    # The product's FLOPs dwarf the softmax's and the tanh's, and so does its time.
-    shares.append(by_kind["projection GEMMs"] / sum(by_kind.values()))
-    if shares[-1] > 0.75:
-      break
-  assert max(shares) > 0.75, shares
+  trace_dir = tmp_path / "trace"
+  jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+  jax.block_until_ready(executable(*args))
+  jax.profiler.stop_trace()
+  spent = profile_beam.traced_seconds(str(trace_dir))
+  independent = _seconds_by_hlo_op(trace_dir, module)
+  # Every operation that ran is in both files with the same total.
+  assert set(independent) == set(work), (set(independent), set(work))
+  for name, seconds in independent.items():
+    assert spent[name] == pytest.approx(seconds, rel=1e-6, abs=1e-9), name
+  # The binary's attribution: seconds per kind over the classified instructions. (How the
+  # time splits is the benchmark's to report, not a test's: it depends on the machine.)
+  by_kind = collections.Counter()
+  for name, kind in kinds.items():
+    by_kind[kind] += spent.get(name, 0.0)
+  assert by_kind["projection GEMMs"] == pytest.approx(independent[product], rel=1e-6)
+  assert by_kind["attention"] == pytest.approx(sum(independent[s] for s in softmax), rel=1e-6)
+  assert by_kind["other"] == pytest.approx(sum(independent[s] for s in rest), rel=1e-6)
 
 
 def test_binary_end_to_end(tmp_path):
