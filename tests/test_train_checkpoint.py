@@ -80,13 +80,16 @@ def test_cached_checkpoint_is_reused(tmp_path, params):
 
 
 def _corrupt_params_file(directory):
-  # Flip bytes in the largest orbax data file: the stored arrays themselves.
-  files = [p for p in (directory / ckpt.PARAMS_DIR).rglob("*") if p.is_file()]
-  target = max(files, key=lambda p: p.stat().st_size)
-  raw = bytearray(target.read_bytes())
-  for i in range(len(raw) // 2, len(raw) // 2 + 64):
-    raw[i] ^= 0xFF
-  target.write_bytes(bytes(raw))
+  # Flip bytes in every orbax data file (OCDBT's `d/` directories: the stored arrays and
+  # the tree that indexes them), whichever of them a restore reads.
+  files = [p for p in (directory / ckpt.PARAMS_DIR).rglob("*")
+           if p.is_file() and p.parent.name == "d"]
+  assert files, sorted((directory / ckpt.PARAMS_DIR).rglob("*"))
+  for target in files:
+    raw = bytearray(target.read_bytes())
+    for i in range(len(raw) // 2, min(len(raw), len(raw) // 2 + 64)):
+      raw[i] ^= 0xFF
+    target.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("damage", ["params_bytes", "metadata_hash", "missing_metadata",
