@@ -41,8 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      "random_candidates"))
   config.budget = registry.budget_config()  # Every declared budget field at its default.
   config.seed = 0  # The attacks' seed.
-  # Scoring: the default policy; ROUGE-L on text needs a GPT-2 tokenizer pinned, so it is
-  # off for a model with its own.
+  # Scoring: the default policy; ROUGE-L on text decodes with the GGUF's own tokenizer,
+  # pinned in the study.
   config.scoring = scoring.get_config()
-  config.scoring.text_rouge = False
   return config

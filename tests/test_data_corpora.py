@@ -44,7 +44,7 @@ def test_cache_is_reused_without_tokenizing(data_dir, tokenizer, cache_dir, monk
   def must_not_tokenize(*args, **kwargs):
     raise AssertionError("tokenized again despite the cache")
 
-  monkeypatch.setattr(tokenizer_lib.GPT2Tokenizer, "encode_batch", must_not_tokenize)
+  monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_batch", must_not_tokenize)
   fresh_tokenizer = tokenizer_lib.load_tokenizer(data_dir)
   again = corpora.WikiText2(fresh_tokenizer, data_dir=data_dir, cache_dir=cache_dir).tokens("test")
   np.testing.assert_array_equal(first, again)

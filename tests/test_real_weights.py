@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,50 @@ def test_documents_baseline_and_recovery_from_the_text(finished, data_dir):
                                     np.asarray(a.shape, "<i8").tobytes()).hexdigest()
   assert dict(capture_meta["protocol"]["C"]["split_hashes"]) == {
       "documents": pinned(docs), "calibration": pinned(calibration)}
+
+
+def _text(ids) -> str:
+  """The UTF-8 text of byte-level ids (a cut multi-byte character reads as U+FFFD)."""
+  byte_of = {symbol: b for b, symbol in _SYMBOL.items()}
+  return bytes(byte_of[ALPHABET[i]] for i in ids).decode("utf-8", errors="replace")
+
+
+def _rouge_l_words(pred: str, truth: str) -> float:
+  """ROUGE-L F1 over lower-cased alphanumeric words (rouge-score's default tokenizer)."""
+  a, b = (re.findall(r"[a-z0-9]+", t.lower()) for t in (pred, truth))
+  lcs = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+  for i, x in enumerate(a):
+    for j, y in enumerate(b):
+      lcs[i + 1][j + 1] = lcs[i][j] + 1 if x == y else max(lcs[i][j + 1], lcs[i + 1][j])
+  common = lcs[-1][-1]
+  if not common:
+    return 0.0
+  precision, recall = common / len(a), common / len(b)
+  return 2 * precision * recall / (precision + recall)
+
+
+def test_text_rouge_decodes_with_the_models_tokenizer_pinned_in_the_study(finished, data_dir):
+  """ROUGE-L on text decodes with the GGUF's own tokenizer, pinned in the study: the
+  scorecard's figure against the text decoded here byte by byte, and a rescore from the
+  study alone (no data directory) reproduces the scorecard."""
+  root, _, _ = finished
+  run = root / "out" / "run"
+  card = json.loads((run / rundir.SCORECARD_JSON).read_text())
+  assert card["similarity_note"] is None
+  (undefended,) = card["undefended"]
+  for record in rundir.load_records(str(run)):
+    truth = np.asarray(rundir.load_truth(rundir.resolve(str(run), record.truth_file)))
+    pred = np.load(rundir.resolve(str(run), record.prediction_file))
+    expected = np.mean([_rouge_l_words(_text(p), _text(t)) for p, t in zip(pred, truth)])
+    got = undefended["similarity"][record.attack]["rouge_l_text"]
+    assert got == pytest.approx(expected, abs=1e-12), record.attack
+  assert any(r["similarity"]["rouge_l_text"] > 0 for r in card["rows"])  # not all zero
+  env = {k: v for k, v in os.environ.items() if k != "LLA_DATA_DIR"}
+  proc = subprocess.run([sys.executable, "-m", "experiments.rescore", f"--workdir={run}"],
+                        capture_output=True, text=True, cwd=REPO, timeout=600,
+                        env=dict(env, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "byte for byte" in proc.stdout + proc.stderr
 
 
 def test_a_second_run_resumes_and_changes_nothing(finished):

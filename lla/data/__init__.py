@@ -19,4 +19,4 @@ from lla.data.passages import Splits
 from lla.data.passages import token_sha256
 from lla.data.paths import DataNotFoundError
 from lla.data.paths import resolve_data_dir
-from lla.data.tokenizer import GPT2Tokenizer
+from lla.data.tokenizer import Tokenizer

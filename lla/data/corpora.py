@@ -71,7 +71,7 @@ def wikitext2_file(data_dir: Path, split: str) -> Path:
   return paths.find_file(data_dir, candidates, f"WikiText-2 {split} split")
 
 
-def encode_documents(tokenizer: tokenizer_lib.GPT2Tokenizer, documents: Sequence[str]) -> np.ndarray:
+def encode_documents(tokenizer: tokenizer_lib.Tokenizer, documents: Sequence[str]) -> np.ndarray:
   """Tokenizes documents line by line, `<|endoftext|>` between them: int32 [n]."""
   lines_per_document = [document.splitlines(keepends=True) for document in documents]
   line_ids = iter(tokenizer.encode_batch([line for lines in lines_per_document for line in lines]))
@@ -100,7 +100,7 @@ class Corpus(abc.ABC):
 
   name: str
 
-  def __init__(self, tokenizer: tokenizer_lib.GPT2Tokenizer, cache_dir: str | os.PathLike[str] | None = None):
+  def __init__(self, tokenizer: tokenizer_lib.Tokenizer, cache_dir: str | os.PathLike[str] | None = None):
     self.tokenizer = tokenizer
     self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
@@ -156,7 +156,7 @@ class WikiText2(Corpus):
 
   def __init__(
       self,
-      tokenizer: tokenizer_lib.GPT2Tokenizer,
+      tokenizer: tokenizer_lib.Tokenizer,
       data_dir: str | os.PathLike[str] | None = None,
       cache_dir: str | os.PathLike[str] | None = None,
   ):
@@ -192,7 +192,7 @@ class WikiText2Hub(Corpus):
 
   def __init__(
       self,
-      tokenizer: tokenizer_lib.GPT2Tokenizer,
+      tokenizer: tokenizer_lib.Tokenizer,
       cache_dir: str | os.PathLike[str] | None = None,
       dataset: str = "Salesforce/wikitext",
       config: str = "wikitext-2-v1",
@@ -313,7 +313,7 @@ class ClinicalTemplates(Corpus):
 
   def __init__(
       self,
-      tokenizer: tokenizer_lib.GPT2Tokenizer,
+      tokenizer: tokenizer_lib.Tokenizer,
       cache_dir: str | os.PathLike[str] | None = None,
       seed: int = 0,
       n_notes: dict[str, int] | None = None,
@@ -389,7 +389,7 @@ class PythonStdlibCode(Corpus):
 
   def __init__(
       self,
-      tokenizer: tokenizer_lib.GPT2Tokenizer,
+      tokenizer: tokenizer_lib.Tokenizer,
       cache_dir: str | os.PathLike[str] | None = None,
       stdlib_dir: str | os.PathLike[str] | None = None,
   ):

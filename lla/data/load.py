@@ -45,7 +45,7 @@ def make_corpus(
     corpus: str,
     data_dir: PathLike | None = None,
     cache_dir: PathLike | None = None,
-    tokenizer: tokenizer_lib.GPT2Tokenizer | None = None,
+    tokenizer: tokenizer_lib.Tokenizer | None = None,
 ) -> corpora.Corpus:
   """Builds a corpus by name; the tokenizer defaults to the data directory's."""
   if corpus not in CORPORA:
@@ -72,7 +72,7 @@ def load_splits(
     calibration_source: str = "train",
     training_source: str = "train",
     evaluation_source: str = "test",
-    tokenizer: tokenizer_lib.GPT2Tokenizer | None = None,
+    tokenizer: tokenizer_lib.Tokenizer | None = None,
 ) -> passages.Splits:
   """Calibration, training and evaluation passages of exactly `seq_len` tokens.
 
@@ -123,7 +123,7 @@ def pretraining_tokens(
     exclude: passages.Splits | None = None,
     exclude_splits: tuple[str, ...] = ("evaluation",),
     cache_dir: PathLike | None = None,
-    tokenizer: tokenizer_lib.GPT2Tokenizer | None = None,
+    tokenizer: tokenizer_lib.Tokenizer | None = None,
 ) -> np.ndarray:
   """The WikiText-2 `split` stream for language-model training: int32 [n].
 

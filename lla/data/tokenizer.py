@@ -1,11 +1,16 @@
-"""GPT-2 byte-level BPE tokenizer (the `tokenizers` library, not a re-implementation).
+"""Tokenizers (the `tokenizers` library, not a re-implementation): GPT-2's byte-level BPE,
+which the corpora and the embedded model use, and any other model's own.
 
-Two sources, same result (50,257 ids, `<|endoftext|>` = 50256 registered as a
-special token so that it is never split into pieces):
+GPT-2's comes from two sources, same result (50,257 ids, `<|endoftext|>` = 50256
+registered as a special token so that it is never split into pieces):
 
   * a directory holding OpenAI's `vocab.json` + `merges.txt` (or a data
     directory with a `gpt2-tokenizer/` subdirectory): works offline;
   * a hub name such as "gpt2" (needs network access or a warm HF cache).
+
+Another model's tokenizer (e.g. a GGUF file's, lla.model.gguf_io.gguf_tokenizer) is wrapped
+with `wrap`; a study pins whichever it decodes with by its definition (`definition`,
+`from_definition`), so scoring text needs nothing but the study.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class GPT2Tokenizer:
+class Tokenizer:
   """A `tokenizers.Tokenizer` plus what runs need to record about it.
 
   Attributes:
@@ -47,8 +52,9 @@ class GPT2Tokenizer:
   sha256: str
 
   @property
-  def eot_id(self) -> int:
-    return EOT_ID
+  def eot_id(self) -> int | None:
+    """The id of GPT-2's `<|endoftext|>` (50256 in GPT-2's), None where it has none."""
+    return self.backend.token_to_id(EOT_TOKEN)
 
   @property
   def vocab_size(self) -> int:
@@ -83,7 +89,7 @@ def _check_gpt2(backend: tokenizers.Tokenizer, source: str) -> None:
     raise ValueError(f"Tokenizer from {source} maps {EOT_TOKEN} to {eot}, expected {EOT_ID}: not GPT-2's.")
 
 
-def from_directory(directory: str | os.PathLike[str]) -> GPT2Tokenizer:
+def from_directory(directory: str | os.PathLike[str]) -> Tokenizer:
   """Builds GPT-2's tokenizer from `vocab.json` + `merges.txt` in `directory`.
 
   Mirrors the Hugging Face `gpt2` tokenizer.json: byte-level pre-tokenizer with
@@ -101,22 +107,26 @@ def from_directory(directory: str | os.PathLike[str]) -> GPT2Tokenizer:
   # what stops "<|endoftext|>" in text from being byte-pair encoded.
   backend.add_special_tokens([tokenizers.AddedToken(EOT_TOKEN, special=True)])
   _check_gpt2(backend, str(directory))
-  return GPT2Tokenizer(backend=backend, source=str(directory), sha256=_fingerprint(backend))
+  return wrap(backend, str(directory))
 
 
-def definition(tokenizer: GPT2Tokenizer) -> str:
+def wrap(backend: tokenizers.Tokenizer, source: str) -> Tokenizer:
+  """Any `tokenizers.Tokenizer` (a model's own, e.g. a GGUF file's), from `source`."""
+  return Tokenizer(backend=backend, source=source, sha256=_fingerprint(backend))
+
+
+def definition(tokenizer: Tokenizer) -> str:
   """The tokenizer's full definition (the `tokenizers` JSON); its sha256 is `sha256`."""
   return tokenizer.backend.to_str()
 
 
-def from_definition(text: str, source: str) -> GPT2Tokenizer:
-  """The tokenizer a `definition` describes (e.g. one pinned in a study's inputs)."""
-  backend = tokenizers.Tokenizer.from_str(text)
-  _check_gpt2(backend, source)
-  return GPT2Tokenizer(backend=backend, source=source, sha256=_fingerprint(backend))
+def from_definition(text: str, source: str) -> Tokenizer:
+  """The tokenizer a `definition` describes (e.g. one pinned in a study's inputs): GPT-2's
+  or any model's own."""
+  return wrap(tokenizers.Tokenizer.from_str(text), source)
 
 
-def from_hub(name: str = "gpt2") -> GPT2Tokenizer:
+def from_hub(name: str = "gpt2") -> Tokenizer:
   """Downloads (or reads from the HF cache) the tokenizer of hub model `name`.
 
   Raises:
@@ -137,10 +147,10 @@ def from_hub(name: str = "gpt2") -> GPT2Tokenizer:
         ),
     ) from e
   _check_gpt2(backend, f"hub:{name}")
-  return GPT2Tokenizer(backend=backend, source=f"hub:{name}", sha256=_fingerprint(backend))
+  return wrap(backend, f"hub:{name}")
 
 
-def load_tokenizer(data_dir_or_name: str | os.PathLike[str] | None = None) -> GPT2Tokenizer:
+def load_tokenizer(data_dir_or_name: str | os.PathLike[str] | None = None) -> Tokenizer:
   """Loads GPT-2's tokenizer from a directory, a data directory, or the hub.
 
   Args:

@@ -184,7 +184,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
     qualification_evidence: see `qualification.matrix`.
     secondary: (treatment, control) secondary contrasts, Bonferroni-corrected.
     contrasts: False skips the bootstrap (gates only; recorded in "inputs").
-    tokenizer: the GPT-2 tokenizer (lla.data.load_tokenizer) for text ROUGE-L; None
+    tokenizer: the tokenizer (lla.data.tokenizer) text ROUGE-L decodes with; None
       leaves that metric out, and the scorecard says so.
   Returns:
     The scorecard as a JSON-ready dict (schema lla.scorecard.v1).
@@ -252,6 +252,8 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
                "flops_unknown": sorted(r.run_id for r in records
                                        if r.flops is None),
                "wall_s_total": sum(r.wall_s or 0.0 for r in records)},
+      # The wording predates other models' tokenizers; kept, as sealed scorecards carry it
+      # and rescore reproduces them byte for byte.
       "similarity_note": (None if tokenizer is not None else
                           "rouge_l_text not computed: no GPT-2 tokenizer was given"),
       "qualification": (qualification_lib.matrix(
@@ -574,8 +576,9 @@ def score_run(run_dir: str, cfg, modules: list[dict] | str | None = STUDY,
   """
   tokenizer = None
   if cfg.text_rouge:
-    # The study's own tokenizer; the first scoring pins the GPT-2 tokenizer of
-    # $LLA_DATA_DIR, so that every rescore after it needs nothing outside the study.
+    # The study's own tokenizer (a model with its own pins it before scoring); otherwise
+    # the first scoring pins the GPT-2 tokenizer of $LLA_DATA_DIR, so that every rescore
+    # after it needs nothing outside the study.
     tokenizer = pinned_tokenizer(run_dir)
     if tokenizer is None:
       from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top

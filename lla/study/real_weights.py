@@ -17,8 +17,9 @@ hundreds.
              sealed run directory, each record carrying the frequency baseline of this
              tokenizer's calibration passages.
   score      the run's scorecard (token and exact-document recovery, Wilson bounds, excess
-             over the baseline); ROUGE-L on text is off: the pinned-tokenizer path of
-             lla.scoring reads GPT-2 tokenizers only.
+             over the baseline, ROUGE-L), the model's tokenizer pinned in the study
+             first, so that ROUGE-L on text decodes with it and a rescore needs nothing
+             else.
 
 A model whose tokenizer prepends BOS is refused (position 0 would be known: issue 20's BOS
 policy is not implemented in this cell).
@@ -36,6 +37,7 @@ from lla.capture import capture as capture_lib
 from lla.capture import store
 from lla.data import corpora, paths
 from lla.data import passages as passages_lib
+from lla.data import tokenizer as tokenizer_lib
 from lla.evidence import files, rundir
 from lla.model import gguf_io
 from lla.model.loading import load_model
@@ -129,4 +131,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   with rundir.extending(run_dir, always_finalize=True):
     replay.replay(run_dir, capture_dir, attacker, list(config.attacks),
                   config.budget.to_dict(), config.seed)
+    if config.scoring.text_rouge:
+      scorecard.pin_tokenizer(run_dir, tokenizer_lib.wrap(tokenizer, f"{path} (GGUF)"))
     return scorecard.score_run(run_dir, config.scoring, overwrite=os.path.exists(card_file))
