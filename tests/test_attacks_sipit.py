@@ -184,6 +184,84 @@ def test_sipit_deterministic_and_chunking_invariant(case):
   assert again.details == first.details
 
 
+def test_sipit_documents_together_and_in_blocks_search_as_one_alone(case, brute, monkeypatch):
+  """The chunk's documents advance together, each at its own position, and refinement and
+  policy run in blocks of iterations: against each document in a chunk of its own searched
+  iteration by iteration (blocks of 1), the same predictions (the float64 reference's) and
+  the same statistics. The budgets end blocks inside a document's iterations (refinement
+  3 in blocks of 2, policy 5 in blocks of 4) and every stage settles some positions."""
+  budget = {"sipit_gradient_candidates": 0, "sipit_ridge_candidates": 1,
+            "sipit_refine_iters": 3, "sipit_max_iters": 5, "sipit_brute_chunk": 16}
+  cal = case[2][:1]  # A decoder fitted on one document: every stage has work.
+  monkeypatch.setattr(sipit, "REFINE_BLOCK", 2)
+  monkeypatch.setattr(sipit, "POLICY_BLOCK", 4)
+  together, _ = run(case, calibration=cal, **budget)
+  monkeypatch.setattr(sipit, "REFINE_BLOCK", 1)
+  monkeypatch.setattr(sipit, "POLICY_BLOCK", 1)
+  alone, _ = run(case, calibration=cal, memory=1, **budget)
+  np.testing.assert_array_equal(together.predictions, brute)
+  np.testing.assert_array_equal(alone.predictions, brute)
+  details = together.details
+  assert all(details["resolved_by_stage"][stage] > 0 for stage in sipit.STAGES), details
+  assert details["mean_refine_iterations"] > 2 and details["max_policy_iterations"] == 5
+  for key in ("resolved_by_stage", "mean_verified_per_position_by_stage",
+              "mean_verified_per_position", "refine_positions", "policy_positions",
+              "mean_refine_iterations", "mean_policy_iterations", "max_policy_iterations",
+              "acceptance_rate", "tolerance", "calibration_discrepancy"):
+    assert alone.details[key] == details[key], key
+
+
+@pytest.mark.parametrize("stage", ["refine", "policy"])
+def test_sipit_block_is_charged_its_iterations_one_call_each(case, stage):
+  """A block of iterations runs as one `Workspace.scan`: it ends in the state of its
+  iterations called one by one, and is charged what XLA counts for them called so (not
+  its body once, as XLA counts a loop)."""
+  params, truth, _, h, _ = case
+  n, trips, t = 2, 3, 2
+  cache = split.init_cache(CFG, K, T)
+  for s in range(t):
+    _, cache = split.client_step(params, CFG, cache, jnp.int32(truth[0, s]), jnp.int32(s))
+  cache = jnp.stack([cache] * B)
+  rng = np.random.default_rng(3)
+  e = jnp.asarray(rng.standard_normal((B, CFG.n_embd)).astype(np.float32) * 0.02)
+  idx, pos = jnp.asarray([0, 2], jnp.int32), jnp.full((n,), t, jnp.int32)
+  start, seen, tol = jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32), jnp.float32(1e-9)
+  log = {"active": jnp.zeros((trips, n), jnp.bool_),
+         "value": jnp.zeros((trips, n), jnp.float32)}
+  state = (jnp.zeros((B, CFG.vocab_size), jnp.bool_), sipit.empty_record(CFG, K, B), e, seen)
+  static = {"cfg": CFG, "num": 2, "iters": 10}
+  if stage == "refine":
+    step = sipit.refine_iteration
+    consts = (params, cache, jnp.asarray(h), jnp.eye(CFG.n_embd) * 0.5, idx, pos, start, tol)
+    state += (jnp.ones(n, jnp.bool_), jnp.full((n,), jnp.inf, jnp.float32), log)
+  else:
+    step = sipit.policy_iteration
+    consts = (params, cache, jnp.asarray(h), idx, pos, start, jnp.full((n,), 2, jnp.int32),
+              tol, jnp.float32(1.0), jnp.float32(1.0))
+    state += (log,)
+  ws = Workspace(h, None, params, CFG, K, case[2])
+  with ws.attack_scope("blocks"):
+    meter = sipit.Meter(ws)
+    looped = meter.scan(stage, 0.0, step, consts, state, (jnp.arange(trips, dtype=jnp.int32),),
+                        **static)
+  one = jax.jit(lambda consts, state, i: step(*consts, state, i, **static))
+  stepped, flops = state, 0.0
+  for i in range(trips):
+    i = jnp.int32(i)
+    flops += one.lower(consts, stepped, i).compile().cost_analysis()["flops"]
+    stepped = one(consts, stepped, i)
+  # The same candidates, keys/values, iterates and logs; the distances within float32
+  # rounding (the loop computes ||h_t||^2, which it does not change, once, not per trip).
+  for key in ("rel", "runner"):
+    np.testing.assert_allclose(looped[1][key], stepped[1][key], rtol=1e-6)
+    looped[1][key] = stepped[1][key]
+  for a, b in zip(jax.tree_util.tree_leaves(looped), jax.tree_util.tree_leaves(stepped)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(looped[-1]["active"]).all()  # every iteration of both rows ran
+  # Within XLA's simplifications, which differ a little inside the loop (0.1% here).
+  assert flops > 0 and meter.xla[stage] == pytest.approx(flops, rel=1e-2)
+
+
 def test_sipit_nan_raises_naming_position_and_document(case):
   _, _, _, h, _ = case
   bad = h.copy()
