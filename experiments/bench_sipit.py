@@ -5,8 +5,8 @@ tokens on a random-weight GPT-2, --random_config), written with lla.capture.capt
 read back as a replay reads it (the Workspace that lla.replay.driver.Plan builds). SipIt
 runs on it in two implementations:
 
-  * previous: lla/attacks/published/sipit.py as committed at --reference (default HEAD;
-    once this change is committed, the commit before it), read with `git show` and loaded
+  * previous: lla/attacks/published/sipit.py as committed at --reference (default 6eb418d,
+    the position-by-position search before the batched one), read with `git show` and loaded
     as a module of its own (its registration skipped). Its compiled functions are distinct
     objects, so it compiles and caches its own executables beside the current ones;
   * current: the registered attack (the working tree).
@@ -79,7 +79,7 @@ _CALIBRATION = flags.DEFINE_integer("calibration", 32, "Calibration documents.")
 _CAPTURE_BATCH = flags.DEFINE_integer("capture_batch", 32, "Documents per captured step.")
 _BUDGET = flags.DEFINE_list("budget", [], "Budget fields as name=value (defaults otherwise).")
 _REFERENCE = flags.DEFINE_string(
-    "reference", "HEAD", "The git revision whose lla/attacks/published/sipit.py is the "
+    "reference", "6eb418d", "The git revision whose lla/attacks/published/sipit.py is the "
     "previous implementation.")
 _REPEATS = flags.DEFINE_integer("repeats", 4, "Warm runs of each implementation.")
 _COLD_REPEATS = flags.DEFINE_integer("cold_repeats", 1, "Cold processes per implementation "
