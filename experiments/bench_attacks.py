@@ -49,7 +49,6 @@ torch is imported inside this benchmark only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -70,6 +69,7 @@ from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib
 from lla.attacks import registry
+from lla.evidence import files
 from lla.attacks.workspace import Workspace, document_mesh
 from lla.model import checkpoint, hf_io, split
 from lla.model.gpt2 import GPT2Config, random_params
@@ -136,21 +136,6 @@ def select_device(name: str) -> jax.Device:
     raise SystemExit(f"no {name} device: jax.devices() lists {', '.join(present)} only") from None
 
 
-def predictions_sha256(predictions) -> str:
-  return hashlib.sha256(np.ascontiguousarray(predictions, np.int32).tobytes()).hexdigest()
-
-
-def parse_budget(items) -> dict:
-  """name=value items as typed budget fields (registry.execute validates nothing itself)."""
-  registry.load_builtin()
-  out = {}
-  for item in items:
-    name, _, text = item.partition("=")
-    field = budget_lib.get(name.strip())
-    value = (text.strip().lower() in ("1", "true")) if field.kind is bool else field.kind(text)
-    field.check(value, None)
-    out[field.name] = value
-  return out
 
 
 def _timed(fn, repeats=1):
@@ -200,7 +185,7 @@ def lla_attack(name: str, make_ws, budget: dict, truth: np.ndarray) -> dict:
          "flops_analytic": charge.flops_analytic, "flops_per_doc": charge.flops / b,
          "cold_s": cold_s, "compile_s": cold_charge.compile_s, "warm_s": warm_s,
          "warm_s_per_doc": warm_s / b, "achieved_flops_per_s": charge.flops / warm_s,
-         "predictions_sha256": predictions_sha256(warm.predictions),
+         "predictions_sha256": files.int32_sha256(warm.predictions),
          "warm_stage_s": {s: c["wall_s"] for s, c in charge.stages.items()},
          "stage_flops": {s: c["flops"] for s, c in charge.stages.items()}}
   if name == "sipit":
@@ -361,7 +346,7 @@ def cold_probe(name: str, probe_dir: Path, out_path: Path, capture: str):
   out = {"attack": name, "capture": capture, "cold_s": cold_s, "compile_s": charge.compile_s,
          "token_recovery": float(np.mean(result.predictions == truth)),
          "exact_documents": float(np.mean(np.all(result.predictions == truth, axis=1))),
-         "predictions_sha256": predictions_sha256(result.predictions)}
+         "predictions_sha256": files.int32_sha256(result.predictions)}
   out_path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
 
@@ -421,7 +406,8 @@ def write_probe_inputs(work: Path, params, cfg, k: int, budget: dict, arrays: di
 
 def bench(work: Path, device: jax.Device):
   k = _CUT.value
-  budget = parse_budget(_BUDGET.value)
+  registry.load_builtin()
+  budget = budget_lib.parse_items(_BUDGET.value)
   params, cfg, tokens, cal, model_name = target_model(_SEED.value)
   b, t = tokens.shape
   hs, gs, batch_docs = [], [], []

@@ -41,7 +41,6 @@ meter's (XLA's count of what ran).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -59,6 +58,7 @@ from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import flops as flops_lib
 from lla.attacks import registry
+from lla.evidence import files
 from lla.attacks.workspace import Workspace
 from lla.capture import capture as capture_lib
 from lla.capture import store
@@ -108,20 +108,6 @@ FLOP_DETAILS = ("flops_by_stage", "flops_analytic_by_stage")
 DISTANCE_DETAILS = ("accepted_max_distance", "runner_up_min_distance", "runner_up_margin")
 
 
-def predictions_sha256(predictions) -> str:
-  return hashlib.sha256(np.ascontiguousarray(predictions, np.int32).tobytes()).hexdigest()
-
-
-def parse_budget(items) -> dict:
-  registry.load_builtin()
-  out = {}
-  for item in items:
-    name, _, text = item.partition("=")
-    field = budget_lib.get(name.strip())
-    value = (text.strip().lower() in ("1", "true")) if field.kind is bool else field.kind(text)
-    field.check(value, None)
-    out[field.name] = value
-  return out
 
 
 def previous_module(revision: str) -> types.ModuleType:
@@ -243,7 +229,7 @@ def probe(which: str, work: Path, out: Path) -> None:
   result, charge, wall = execute(attack, make(), spec["budget"])
   out.write_text(json.dumps({
       "which": which, "cold_s": wall, "compile_s": charge.compile_s, "flops": charge.flops,
-      "predictions_sha256": predictions_sha256(result.predictions),
+      "predictions_sha256": files.int32_sha256(result.predictions),
       "statistics": statistics(result.details)}, sort_keys=True))
 
 
@@ -302,7 +288,8 @@ def check_runs(identity: dict) -> dict:
 
 
 def bench(work: Path) -> dict:
-  budget = parse_budget(_BUDGET.value)
+  registry.load_builtin()
+  budget = budget_lib.parse_items(_BUDGET.value)
   spec = write_inputs(work, budget)
   make, truth, _ = workspace_factory(work)
   ws = make()
@@ -336,18 +323,18 @@ def bench(work: Path) -> dict:
         "own_flops": own, "gflops_per_s": charge.flops / median / 1e9,
         "flops_by_stage": details["flops_by_stage"],
         "token_recovery": float(np.mean(result.predictions == truth)),
-        "predictions_sha256": predictions_sha256(result.predictions),
+        "predictions_sha256": files.int32_sha256(result.predictions),
         "distances": {k: details[k] for k in DISTANCE_DETAILS}}
     if cold:
       rows[which]["cold"] = cold[which]
       rows[which]["cold_s_median"] = float(np.median([c["cold_s"] for c in cold[which]]))
       rows[which]["compile_s_median"] = float(np.median([c["compile_s"] for c in cold[which]]))
-    identity[which] = [{"predictions_sha256": predictions_sha256(r.predictions),
+    identity[which] = [{"predictions_sha256": files.int32_sha256(r.predictions),
                         "statistics": statistics(r.details)} for r, _, _ in warm[which]]
     identity[which] += [{"predictions_sha256": c["predictions_sha256"],
                          "statistics": c["statistics"]} for c in cold.get(which, [])]
   if alone is not None:
-    identity["previous_alone"] = [{"predictions_sha256": predictions_sha256(alone.predictions),
+    identity["previous_alone"] = [{"predictions_sha256": files.int32_sha256(alone.predictions),
                                    "statistics": statistics(alone.details)}]
   differing = check_runs(identity)
   prev, cur = rows["previous"], rows["current"]

@@ -312,3 +312,18 @@ def test_linearised_order_matches_float64_finite_differences(case):
   error[truth[b, t]] = np.inf
   assert order[-1] == truth[b, t]
   np.testing.assert_array_equal(order[:10], np.argsort(error, kind="stable")[:10])
+
+
+def test_budget_items_are_typed_by_their_declarations():
+  """The benchmarks' --budget items: an int, a float and a bool field typed as declared;
+  an unknown name or an out-of-range value is refused naming the field."""
+  registry.load_builtin()
+  parsed = budget_lib.parse_items(["sipit_max_iters=3", " ridge_alpha=0.5",
+                                   "sipit_brute_force=false"])
+  assert parsed == {"sipit_max_iters": 3, "ridge_alpha": 0.5, "sipit_brute_force": False}
+  assert [type(v) for v in parsed.values()] == [int, float, bool]
+  assert budget_lib.parse_items(["sipit_brute_force=1"]) == {"sipit_brute_force": True}
+  with pytest.raises(budget_lib.BudgetError, match="no_such_field"):
+    budget_lib.parse_items(["no_such_field=1"])
+  with pytest.raises(budget_lib.BudgetError, match="ridge_alpha"):
+    budget_lib.parse_items(["ridge_alpha=-1"])

@@ -127,6 +127,19 @@ def as_dict(budget) -> dict[str, Any]:
   return dict(budget)
 
 
+def parse_items(items) -> dict[str, Any]:
+  """Budget fields given as "name=value" strings (a benchmark's flags), typed by their
+  declarations and checked (booleans: 1 / true); raises BudgetError naming a bad one."""
+  out = {}
+  for item in items:
+    name, _, text = item.partition("=")
+    field = get(name.strip())
+    value = (text.strip().lower() in ("1", "true")) if field.kind is bool else field.kind(text)
+    field.check(value, None)
+    out[field.name] = value
+  return out
+
+
 def _normalise(field: Field, value):
   # Configs written as 3 for a float field are the same budget as 3.0: one E hash.
   return float(value) if field.kind is float else value

@@ -28,6 +28,12 @@ def sha256_bytes(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
+def int32_sha256(array) -> str:
+  """Hex sha256 of an integer array's int32 bytes (C order): predictions compared across
+  runs."""
+  return sha256_bytes(np.ascontiguousarray(array, np.int32).tobytes())
+
+
 def sha256_file(path: str) -> str:
   """Hex sha256 of a file's bytes, streamed so large captures fit in memory."""
   h = hashlib.sha256()
