@@ -17,9 +17,10 @@ sha256 of every prediction file, which must be byte-identical across all runs.
 
 Configurations (--configs):
   glibc     $LLA_ALLOCATOR=system: glibc malloc with its defaults (lla before issue 23)
-  tuned     the command as is: lla's default (lla/allocator.py: the binary restarts once
-            with glibc tunables, tcache off, and mallopt at `import lla`)
-  mallopt   $LLA_ALLOCATOR=mallopt: lla's mallopt settings alone, no restart (tcache on)
+  tuned     the command as is: lla's default (lla/allocator.py: mallopt at `import lla`)
+  tcache_off  lla's settings with glibc's per-thread cache off ($GLIBC_TUNABLES
+            glibc.malloc.tcache_count=0: what lla did by restarting each binary until 2026-12-02)
+  trim_2gib lla's settings with the heap trimmed above 2 GiB - 1 (lla's earlier threshold)
   tcmalloc  LD_PRELOAD of TCMalloc (--tcmalloc; Debian: apt-get install libtcmalloc-minimal4)
   jemalloc  LD_PRELOAD of jemalloc with its defaults (--jemalloc)
   mimalloc  LD_PRELOAD of mimalloc with its defaults (--mimalloc)
@@ -49,7 +50,7 @@ from absl import app, flags
 
 from lla.model import gpt2, hf_io
 
-_CONFIGS = flags.DEFINE_list("configs", ["glibc", "mallopt", "tuned", "tcmalloc"],
+_CONFIGS = flags.DEFINE_list("configs", ["glibc", "tuned", "tcache_off", "tcmalloc"],
                              "Allocator configurations, run in turn (module docstring).")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per configuration.")
 _ATTACKS = flags.DEFINE_string("attacks", "activation,joint,sipit,tag,lamp", "Replayed attacks.")
@@ -78,7 +79,7 @@ _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/li
 # Variables that select an allocator or its settings: cleared before each configuration's own.
 _ALLOCATOR_ENV = ("LD_PRELOAD", "LLA_ALLOCATOR", "LLA_MALLOPT", "MALLOC_MMAP_THRESHOLD_",
                   "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                  "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "LLA_ALLOCATOR_REEXEC")
+                  "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
 
 def find_library(explicit: str, names: tuple[str, ...]) -> str:
@@ -102,7 +103,8 @@ def configurations() -> dict[str, dict[str, str] | None]:
   return {
       "glibc": {"LLA_ALLOCATOR": "system"},
       "tuned": {},
-      "mallopt": {"LLA_ALLOCATOR": "mallopt"},
+      "tcache_off": {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"},
+      "trim_2gib": {"LLA_MALLOPT": f"trim_threshold={2**31 - 1}"},
       "tcmalloc": {"LD_PRELOAD": tcmalloc, "LLA_ALLOCATOR": "system"} if tcmalloc else None,
       "jemalloc": {"LD_PRELOAD": jemalloc, "LLA_ALLOCATOR": "system"} if jemalloc else None,
       "mimalloc": {"LD_PRELOAD": mimalloc, "LLA_ALLOCATOR": "system"} if mimalloc else None,

@@ -2,41 +2,34 @@
 allocates on every executable call are reused rather than mapped and unmapped.
 
 Why (issue 23): XLA:CPU allocates each call's temporaries and results with posix_memalign
-and frees them when the call ends. On small models the attacks make thousands of such
-calls with large buffers (TAG's and LAMP's [B, T, V] soft tokens are 51 MB at B 8 x T 32 x
-V 50,257; their gradients' temporaries reach 0.9 GB). glibc serves every block above its
-mmap threshold (128 KiB, dynamically up to 32 MiB) with a fresh mmap and munmaps it on free:
-the next call faults every page in again. A replay of five attacks on a 4-layer random
-GPT-2 spent 44% of its CPU time in the kernel (17 million minor faults); tuned as below,
-5% (0.8 million), as with TCMalloc preloaded (experiments/bench_alloc.py;
-docs/benchmarks.md, "Memory churn (allocator)").
+and frees them when the call ends. On small models the attacks and the training loops make
+thousands of such calls with large buffers (TAG's and LAMP's [B, T, V] soft tokens are 51 MB
+at B 8 x T 32 x V 50,257; their gradients' temporaries reach 0.9 GB; a pre-training step
+frees about 3 GB). glibc serves every block above its mmap threshold (128 KiB, dynamically
+up to 32 MiB) with a fresh mmap and munmaps it on free, and gives the heap's free top back
+to the OS above its trim threshold: either way the next call faults every page in again.
 
-What, in two steps, neither needing root, a dependency or a preload:
-
-`apply()`, at `import lla` (before JAX starts its threads), calls mallopt through ctypes:
+What: `apply()`, at `import lla` (before JAX starts its threads), calls mallopt through
+ctypes:
 
   M_MMAP_MAX 0              no block is served by mmap: large ones come from the heap and
                             go back to it
   M_ARENA_MAX 1             one heap for every thread: a thread's arena is a 64 MiB heap
                             that a larger block cannot live in (it would be mmapped anyway)
-  M_TRIM_THRESHOLD 2 GiB-1  the heap's free top goes back to the OS only above 2 GiB (mallopt
-                            takes an int; this also stops the dynamic mmap threshold)
+  M_TRIM_THRESHOLD -1       the heap's free top is never given back (glibc: "-1 disables
+                            trimming"); this also stops the dynamic mmap threshold
   M_TOP_PAD 64 MiB          the heap grows by at least 64 MiB at a time
 
-`reexec()`, called first thing by every binary (experiments/__init__.py) and by the test
-suite (tests/conftest.py), restarts the process once with the same settings as
-$GLIBC_TUNABLES plus one mallopt cannot set, `glibc.malloc.tcache_count=0`: posix_memalign
-splits small remainders off each large block, the per-thread cache keeps them, and they
-wall the freed block in, so that the next aligned request of the same size does not fit
-and the heap grows instead of reusing it (mallopt alone: 11% kernel time, 1.3 million
-faults on the replay above).
-
-The cost: the heap keeps its high-water mark (freed memory is reused, not returned).
+The cost is memory: the heap keeps its high-water mark, plus the large blocks that glibc's
+per-thread cache walls in (posix_memalign splits a small remainder off each block; the
+cache keeps up to 7 such remainders per size, and the block beside one cannot coalesce
+until it leaves). Turning the cache off (glibc.malloc.tcache_count=0, which takes a restart
+of the process) removes that, but every small malloc then takes the arena's lock: measured,
+pre-training cost 19% more user time that way (docs/benchmarks.md, "Memory churn").
 
 $LLA_ALLOCATOR selects:
 
-  tuned    (default) both steps, where malloc is glibc's
-  mallopt  `apply()` alone (no restart)
+  tuned    (default) the settings above, where malloc is glibc's
   system   malloc as the process found it (glibc's defaults, or an LD_PRELOADed allocator)
 
 $LLA_MALLOPT overrides or adds settings ("mmap_max=0,arena_max=1,top_pad=67108864"; names
@@ -54,20 +47,11 @@ import sys
 
 ENV_VAR = "LLA_ALLOCATOR"
 MALLOPT_ENV_VAR = "LLA_MALLOPT"
-MODES = ("tuned", "mallopt", "system")
-# Set in the environment of the process `reexec` starts (and so of its children): no loop.
-REEXEC_ENV_VAR = "LLA_ALLOCATOR_REEXEC"
+MODES = ("tuned", "system")
 # glibc's <malloc.h> parameter numbers.
 PARAMS = {"mxfast": 1, "trim_threshold": -1, "top_pad": -2, "mmap_threshold": -3,
           "mmap_max": -4, "arena_test": -7, "arena_max": -8}
-TUNED = {"mmap_max": 0, "arena_max": 1, "trim_threshold": 2**31 - 1, "top_pad": 64 << 20}
-# The same settings as glibc tunables (read once, when a process starts), plus the one
-# mallopt cannot set: no per-thread cache (tcache). XLA:CPU allocates its buffers with
-# posix_memalign, whose small trailing remainders land in the tcache, where they never
-# coalesce: each freed large block stays walled in and slightly too small for the next
-# aligned request of the same size, so the heap grows instead of reusing it.
-TUNABLES = ":".join(["glibc.malloc.tcache_count=0"]
-                    + [f"glibc.malloc.{name}={value}" for name, value in TUNED.items()])
+TUNED = {"mmap_max": 0, "arena_max": 1, "trim_threshold": -1, "top_pad": 64 << 20}
 
 _STATE: dict | None = None  # What `apply` did, once per process.
 
@@ -142,45 +126,8 @@ def apply() -> dict:
         if libc.mallopt(PARAMS[name], value) != 1:
           raise OSError(f"mallopt({name}={value}) refused by glibc {version}")
       state["mallopt"] = settings
-  state["glibc_tunables"] = _tunables_active()
   _STATE = state
   return record()
-
-
-def reexec_needed() -> bool:
-  """Whether `reexec` would restart this process."""
-  return not (os.environ.get(REEXEC_ENV_VAR) or (os.environ.get(ENV_VAR) or "tuned") != "tuned"
-              or not sys.platform.startswith("linux") or _glibc() is None
-              or not os.path.basename(_malloc_library()).startswith("libc.so"))
-
-
-def reexec(argv: list[str] | None = None) -> None:
-  """Restarts this process once with `TUNABLES` in $GLIBC_TUNABLES (mode "tuned", glibc's
-  malloc, no allocator preloaded); call it first thing in a binary, before heavy imports.
-
-  `argv` defaults to the interpreter's own command line (sys.orig_argv). Returns (nothing
-  done) when already restarted, in another mode, or without glibc; where the restart fails,
-  one line on stderr says so and the process continues with mallopt's settings alone.
-  """
-  if not reexec_needed():
-    return
-  env = dict(os.environ)
-  env[REEXEC_ENV_VAR] = "1"
-  env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), TUNABLES)))
-  sys.stdout.flush()
-  sys.stderr.flush()
-  try:
-    os.execve(sys.executable, argv or sys.orig_argv, env)
-  except OSError as e:
-    print(f"lla: could not restart with glibc tunables ({e}): mallopt settings only "
-          "(lla/allocator.py)", file=sys.stderr)
-
-
-def _tunables_active() -> str:
-  """Our tunables, when this process started with them (glibc reads them at startup)."""
-  if os.environ.get(REEXEC_ENV_VAR) and TUNABLES in os.environ.get("GLIBC_TUNABLES", ""):
-    return TUNABLES
-  return ""
 
 
 def record() -> dict:

@@ -5,20 +5,9 @@ from pathlib import Path
 
 import pytest
 
+import lla  # noqa: F401  malloc tuned before the tests allocate (lla/allocator.py)
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def pytest_configure(config):
-  """The suite runs with malloc tuned as the binaries run it: pytest restarts once with
-  glibc's tunables (lla/allocator.py; $LLA_ALLOCATOR=system or =mallopt: no restart).
-  Output capture is suspended first, so that the restarted pytest writes to the terminal."""
-  from lla import allocator
-
-  if allocator.reexec_needed():
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-      capture.suspend_global_capture(in_=True)
-    allocator.reexec()
 
 
 @pytest.fixture(autouse=True, scope="module")
