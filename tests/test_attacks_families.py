@@ -16,6 +16,13 @@ one of:
 * "refused": the replay refuses before running, with the one-line message
   "attack X does not support family Y yet" (lla.attacks.registry.check_family).
 
+The adaptive attacks and the defense-aware baselines run on defended captures of the same
+checkpoints (`test_defended_matrix`): per defense, a training capture whose h (and g) went
+through the mechanism with an explicit secret (`defenses.training.batched_messages`, as the
+main job's defense sweep makes them), replayed with its adaptive attack (the recovered
+tokens must be the captured ones where the mechanism loses nothing the tiny vocabulary
+needs; mixup's rows must all be unmixed), and one of them with both defense-aware beams.
+
 `test_matrix_covers_registry` keeps the matrix complete: an attack registered later is
 refused on the RoPE families until it has a row here.
 """
@@ -25,13 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lla import defenses
 from lla.attacks import registry
 from lla.attacks.registry import relevant_budget as relevant
 from lla.capture import capture
 from lla.model import decoder, hf_io
 from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
+from lla.defenses import training as defended
 from lla.replay import driver as replay
+from lla.study import defense_sweep
 
 from test_attacks_units import random_params as gpt2_random_params
 
@@ -66,12 +76,26 @@ RUNS = ["ridge", "activation", "activation_flop_matched", "joint", "random_candi
         "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip",
         "sip_linear", "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp"]
 EXACT = ["activation", "joint", "sipit"]
-# Attacks that only run on a capture defended by the mechanism they adapt to, the
-# defense-aware baselines and the active decoder: not yet exercised on a RoPE family.
-REFUSED_ON_ROPE = ["gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive",
-                   "projection_adaptive", "quantize_adaptive", "topk_adaptive",
-                   "activation_defense_aware", "joint_defense_aware", "fsha_decode"]
+# Per message defense (public parameters, what its capture is fine-tuned with): the
+# attacks replayed on its defended capture. The mechanisms that lose nothing the tiny
+# vocabulary needs (4-bit quantisation, top-k, a Haar projection, NoPeek with the
+# victim's own client) must be inverted exactly by their adaptive attack.
+DEFENDED = {
+    "quantize": ({"bits": 4}, False), "topk": ({"sparsity": 0.75}, False),
+    "projection": ({"kind": "haar"}, False), "gaussian": ({"sigma": 0.05}, False),
+    "mixup": ({"m": 2}, False), "nopeek": ({"alpha": 0.5}, True)}
+DEFENSE_AWARE = ["activation_defense_aware", "joint_defense_aware"]
+# The baselines read the mechanism only through their calibration mimic (lla.defenses.aware):
+# one defended capture per family exercises them (the gaussian one: a draw of noise).
+AWARE_ON = "gaussian"
+ADAPTIVE_EXACT = ["quantize", "topk", "projection", "nopeek"]
+# The active tier's decoder: it reads what an active server wrote, not a capture: not yet
+# exercised on a RoPE family.
+REFUSED_ON_ROPE = ["fsha_decode"]
 MATRIX = {(a, f): ("recovers" if a in EXACT else "works") for a in RUNS for f in FAMILIES}
+MATRIX.update({(f"{d}_adaptive", f): ("recovers" if d in ADAPTIVE_EXACT else "works")
+               for d in DEFENDED for f in FAMILIES if f != "gpt2"})
+MATRIX.update({(a, f): "works" for a in DEFENSE_AWARE for f in FAMILIES if f != "gpt2"})
 MATRIX.update({(a, f): "refused" for a in REFUSED_ON_ROPE for f in FAMILIES if f != "gpt2"})
 
 # Small budgets: every candidate on the tiny vocabulary for the exact beams, a few steps of
@@ -79,7 +103,7 @@ MATRIX.update({(a, f): "refused" for a in REFUSED_ON_ROPE for f in FAMILIES if f
 BUDGET = dict(candidates=V, c_a=V // 2, c_g=V // 2, beam_width=2, ridge_alpha=1e-3,
               shuffle_seed=17, sip_epochs=2, sip_hidden=16, sip_batch=4, bisr_f_steps=10,
               bisr_b_steps=4, eia_steps=10, eia_mapper=False, tag_steps=10, lamp_steps=10,
-              lamp_freq=5, lamp_candidates=4)
+              lamp_freq=5, lamp_candidates=4, likelihood_candidates=V, nopeek_shadow_steps=2)
 
 
 def family_params(cfg, seed: int):
@@ -114,10 +138,12 @@ def test_matrix_covers_registry():
   registry declares."""
   # The built-in attacks only: other tests of the session may have registered plugins.
   builtin = [n for n in registry.names() if registry.source(n)["module"].startswith("lla.")]
-  assert sorted(RUNS + REFUSED_ON_ROPE) == builtin
+  adaptive = [f"{d}_adaptive" for d in DEFENDED]
+  assert sorted(RUNS + adaptive + DEFENSE_AWARE + REFUSED_ON_ROPE) == builtin
   for name in builtin:
     for f in FAMILIES:
-      assert (name, f) in MATRIX or (f == "gpt2" and name in REFUSED_ON_ROPE)
+      # GPT-2 runs every attack; its defended row is tests/test_attacks_adaptive.py.
+      assert (name, f) in MATRIX or f == "gpt2", (name, f)
       refused = name in REFUSED_ON_ROPE and f != "gpt2"
       assert registry.supports_family(name, f) != refused, (name, f)
 
@@ -136,6 +162,46 @@ def test_matrix_runs(family):
   print(f"\n{name}: " + ", ".join(f"{a}={r:.2f}" for a, r in recovered.items()))
   for attack in EXACT:
     assert recovered[attack] == 1.0, (name, attack, recovered[attack])
+
+
+# GPT-2's row is tests/test_attacks_adaptive.py (a larger vocabulary, each attack's own
+# invariants); here the families that differ from it.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"], indirect=True)
+def test_defended_matrix(family):
+  name, root, attacker, tokens = family
+  params, cfg = attacker.params, attacker.cfg
+  for defense_name, (public, fine_tuned) in DEFENDED.items():
+    defense = defenses.make(defense_name, **public)
+    secret = defenses.Secret.explicit(7) if defense.has_secret else None
+    cap = root / f"cap_{defense_name}"
+    capture.capture_target(
+        str(cap), params, cfg, tokens, range(B), K, model_id=name, training=True,
+        batch_size=B, messages=defended.batched_messages(
+            params, cfg, tokens, K, defense, secret, B, training=True, fine_tuned=fine_tuned),
+        defense=defense_name, defense_seed_sha256=secret.sha256 if secret else "",
+        defense_params=defense_sweep.public_params(defense, secret, "test", fine_tuned))
+    attacks = [f"{defense_name}_adaptive"]
+    run = root / f"run_{defense_name}"
+    records = replay.replay(str(run), str(cap), attacker, attacks, relevant(BUDGET, attacks),
+                            seed=0, mesh=None)
+    if defense_name == AWARE_ON:
+      # The baselines mimic the mechanism on their calibration text with their own draw.
+      mimic = {"name": defense_name, "params": defense.to_record(secret)["params"],
+               "attacker_seed": 0}
+      records += replay.replay(str(run) + "_aware", str(cap), attacker, DEFENSE_AWARE,
+                               relevant(BUDGET, DEFENSE_AWARE), seed=0, mesh=None,
+                               calibration_defense=mimic)
+    assert all(r.status == "ok" for r in records), [(r.attack, r.status, r.error)
+                                                      for r in records]
+    assert len(records) == 1 + (len(DEFENSE_AWARE) if defense_name == AWARE_ON else 0)
+    adaptive = np.load(run / "predictions" / f"{defense_name}_adaptive.npy")
+    assert adaptive.shape == (B, T) and adaptive.dtype == np.int32
+    if defense_name in ADAPTIVE_EXACT:
+      assert MATRIX[(f"{defense_name}_adaptive", name)] == "recovers"
+      np.testing.assert_array_equal(adaptive, tokens, err_msg=f"{name} {defense_name}")
+    if defense_name == "mixup":  # every row's documents linked and unmixed
+      details = next(r.details for r in records if r.attack == "mixup_adaptive")
+      assert details["rows_unmixed"] == B and details["position0_residual_median"] < 1e-5
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"], indirect=True)

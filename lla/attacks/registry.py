@@ -239,7 +239,9 @@ def module_entries() -> list[dict[str, Any]]:
 ROPE_FAMILIES_VERIFIED = frozenset({
     "ridge", "activation", "activation_flop_matched", "joint", "random_candidates",
     "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip", "sip_linear",
-    "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp"})
+    "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp",
+    "gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive", "projection_adaptive",
+    "quantize_adaptive", "topk_adaptive", "activation_defense_aware", "joint_defense_aware"})
 
 
 def supports_family(name: str, family: str) -> bool:

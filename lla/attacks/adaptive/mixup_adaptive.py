@@ -13,8 +13,10 @@ client is causal. So (adaptive-attacks.md section 4):
      vocabulary token (one batched forward) is a dictionary, and each mixed first row is
      an m-sparse convex combination of its entries. Greedy simplex pursuit (add the entry
      whose least-squares fit with the chosen ones, coefficients summing to one, leaves the
-     least residual; then swaps while they help; from several starting entries) gives the
-     m first tokens and lam_b.
+     least residual; then swaps while they help; from the `mixup_starts` entries nearest
+     the row, in order, until a fit is exact) gives the m first tokens and lam_b. A true
+     entry need not be among the few nearest: a row mixed half and half lies between its
+     two entries, and on a tiny random Llama they ranked 9th and 12th.
   2. Unmixing. Within a capture batch every document sits in m slots (row, partner), so
      the slots sharing a first token are one document, or, where several documents share
      that token, are split among them (the split whose unmixed position-1 rows lie closest
@@ -56,6 +58,9 @@ budget_lib.declare("mixup_candidates", 16, int, low=1, high=budget_lib.VOCAB,
                    doc="mixup_adaptive: proposals per partner and position", source="lla")
 budget_lib.declare("mixup_rounds", 2, int, low=1,
                    doc="mixup_adaptive: proposal rounds per position", source="lla")
+budget_lib.declare("mixup_starts", 32, int, low=1, high=budget_lib.VOCAB,
+                   doc="mixup_adaptive: pursuit starts per mixed first row (the nearest "
+                   "entries, tried until a fit is exact)", source="lla")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -117,15 +122,16 @@ _EXACT = 1e-5  # relative residual of a position-0 fit that is exact up to float
 
 
 def pursuit(table: np.ndarray, norms2: np.ndarray, y: np.ndarray, m: int,
-            starts: int = 8) -> tuple[list[int], np.ndarray]:
+            starts: int) -> tuple[list[int], np.ndarray, int]:
   """The m entries of table [V, d] (float64; norms2 [V] their squared norms) whose convex
   combination is y [d]: greedy simplex pursuit from the entries that fit y best alone (up to
   `starts` of them, until a fit is exact), then sweeps of swaps until none helps; the best
-  fit. Returns the entries and their coefficients."""
+  fit. Returns the entries, their coefficients and the starts tried."""
   table_y = table @ y
   alone = _with_each(table, norms2, [], y, table_y)
-  best, best_residual = None, np.inf
+  best, best_residual, tried = None, np.inf, 0
   for start in np.argsort(alone, kind="stable")[:starts if m > 1 else 1]:
+    tried += 1
     chosen = [int(start)]
     while len(chosen) < m:
       chosen.append(int(np.argmin(_with_each(table, norms2, chosen, y, table_y))))
@@ -146,7 +152,7 @@ def pursuit(table: np.ndarray, norms2: np.ndarray, y: np.ndarray, m: int,
       break  # exact up to float rounding: no other start can do better
   atoms = table[best]
   w, _ = simplex_fit(atoms @ atoms.T, atoms @ y, float(y @ y))
-  return best, w
+  return best, w, tried
 
 
 def first_token_of(group, chosen) -> int:
@@ -197,7 +203,7 @@ class MixupAdaptive:
 
   spec = registry.AttackSpec(
       "mixup_adaptive", "beam_inversion", ("activations",),
-      budget_fields=("ridge_alpha", "mixup_candidates", "mixup_rounds"),
+      budget_fields=("ridge_alpha", "mixup_candidates", "mixup_rounds", "mixup_starts"),
       adapts_to=("mixup",), reference_attack="activation",
       description="position-0 simplex pursuit over the vocabulary's rows, documents linked "
       "across rows by their first tokens, the mixing inverted, then the undefended attack",
@@ -229,17 +235,21 @@ class MixupAdaptive:
     # Step 1: the m first tokens and the coefficients of every row.
     texts = np.zeros((ws.num_docs, m, seq_len), np.int32)
     lam = np.zeros((ws.num_docs, m))
-    residual0 = []
+    residual0, starts_tried = [], 0
     for b in range(ws.num_docs):
-      chosen, w = pursuit(table, norms2, y[b, 0], m)
+      chosen, w, tried = pursuit(table, norms2, y[b, 0], m, int(budget.mixup_starts))
       texts[b, :, 0], lam[b] = chosen, w
+      starts_tried += tried
       residual0.append(float(np.linalg.norm(y[b, 0] - w @ table[chosen])
                              / np.linalg.norm(y[b, 0])))
-    ws.count_host(ws.num_docs * 8 * (5 * m * m) * vocab * (2.0 * d * (m + 1) + 10.0 * (m + 1)**3))
+    # Each start: m - 1 additions and up to 2m sweeps of m swaps, a simplex fit per entry.
+    ws.count_host(starts_tried * (m + 2 * m * m) * vocab
+                  * (2.0 * d * (m + 1) + 10.0 * (m + 1)**3))
     # Step 2a: per batch, unmix all positions at once where the rows' partners link up.
     unmixed, owner, ambiguous = self._unmix(ws, budget, texts[:, :, 0], lam, y)
     linked = ~np.isnan(unmixed[:, 0, 0])
     stats = {"m": m, "position0_residual_median": float(np.median(residual0)),
+             "pursuit_starts_mean": starts_tried / ws.num_docs,
              "rows_unmixed": int(linked.sum()), "ambiguous_first_tokens": ambiguous,
              "coefficients_mean_max": float(lam.max(1).mean())}
     if linked.all():
@@ -249,7 +259,7 @@ class MixupAdaptive:
                                    stats)
     # Step 2b: rows of batches that do not link, position by position.
     num = min(int(budget.mixup_candidates), vocab)
-    cache = np.zeros((ws.num_docs, m, ws.cut, 2, seq_len, cfg.n_head, cfg.head_dim), np.float32)
+    cache = np.zeros((ws.num_docs, m, ws.cut, 2, seq_len, cfg.n_kv_head, cfg.head_dim), np.float32)
     _, kv = ws.map_call(partner_rows, (cache, texts[:, :, :1]), self._bytes(ws, m, 1),
                         consts=(ws.params, jnp.int32(0)), cfg=cfg)
     cache[:, :, :, :, 0] = kv[:, :, 0]
@@ -364,7 +374,7 @@ class MixupAdaptive:
                                    decoder.mu_h, decoder.mu_e, ws.wte, jnp.asarray(targets),
                                    num=num))
     cfg = ws.cfg
-    cache = np.zeros((len(mine), 1, ws.cut, 2, ws.seq_len, cfg.n_head, cfg.head_dim),
+    cache = np.zeros((len(mine), 1, ws.cut, 2, ws.seq_len, cfg.n_kv_head, cfg.head_dim),
                      np.float32)
     _, kv = ws.call(partner_rows, ws.params, jnp.int32(0), cache,
                     np.full((len(mine), 1, 1), token, np.int32), cfg=cfg)
@@ -375,8 +385,8 @@ class MixupAdaptive:
     return float(np.sum(err.min(-1) / np.linalg.norm(targets, axis=-1)))
 
   def _bytes(self, ws: Workspace, m: int, num: int) -> float:
-    d, k, t = ws.cfg.n_embd, ws.cut, ws.seq_len
-    return 4.0 * m * (2 * k * t * d + num * (2 * k * d + d))
+    d, kv, k, t = ws.cfg.n_embd, cost.kv_width(ws.cfg), ws.cut, ws.seq_len
+    return 4.0 * m * (2 * k * t * kv + num * (2 * k * kv + d))
 
   def _descend(self, rows: np.ndarray, lam: np.ndarray, target: np.ndarray) -> np.ndarray:
     """[B, m] candidate indices minimising |sum_j lam_j rows[b, j, c_j] - y_t| by
