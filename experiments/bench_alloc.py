@@ -1,4 +1,9 @@
-"""Benchmark: the same user-facing replay under several memory allocators (issue 23).
+"""Benchmark: the same user-facing command under several memory allocators (issue 23).
+
+Two workloads (--workload): `replay` (the default, below) and `pretrain`, the first
+--pretrain_steps steps of the main job's pre-training (`python -m experiments.pretrain
+--config=configs/pretrain.py`: the embedded model, 16 x 128 tokens a step, each step
+allocating and freeing about 3 GB), whose checkpoint hash must be identical across runs.
 
 Builds a random small GPT-2 (--n_layer x --n_embd, GPT-2's vocabulary, an HF directory), a
 training capture of --docs WikiText-2 evaluation documents at cut --cut
@@ -72,6 +77,9 @@ _CACHE = flags.DEFINE_string("compilation_cache_dir", "", "Persistent compilatio
 _WARMUP = flags.DEFINE_bool("warmup", True, "One untimed run first (fills the compilation "
                             "cache; skip only with an already filled --compilation_cache_dir).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
+_WORKLOAD = flags.DEFINE_enum("workload", "replay", ["replay", "pretrain"], "What each run "
+                              "does (module docstring).")
+_PRETRAIN_STEPS = flags.DEFINE_integer("pretrain_steps", 60, "Steps of the pretrain workload.")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -164,6 +172,17 @@ def replay_command(hf_dir: Path, capture: Path, run_dir: Path) -> list[str]:
           f"--config.attacks={_ATTACKS.value}", *steps, f"--workdir={run_dir}"]
 
 
+def pretrain_command(run_dir: Path) -> list[str]:
+  return [sys.executable, "-m", "experiments.pretrain", "--config=configs/pretrain.py",
+          f"--config.num_steps={_PRETRAIN_STEPS.value}", "--config.eval_windows=32",
+          "--config.export_hf=false", f"--workdir={run_dir}"]
+
+
+def checkpoint_hash(run_dir: Path) -> dict[str, str]:
+  metadata = json.loads((run_dir / "checkpoint" / "metadata.json").read_text())
+  return {"params_sha256": metadata["params_sha256"]}
+
+
 def summarise(runs: list[dict]) -> dict:
   out = {}
   for key in ("wall_s", "user_s", "sys_s", "minflt", "maxrss_mb"):
@@ -190,19 +209,25 @@ def main(argv):
     root.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in _ALLOCATOR_ENV}
     base["LLA_COMPILATION_CACHE_DIR"] = _CACHE.value or str(root / "jax_cache")
-    hf_dir, capture = prepare(root, base)
-    print(f"model {hf_dir}, capture {capture}; command:\n  "
-          + " ".join(replay_command(hf_dir, capture, Path("RUN"))[1:]))
+    if _WORKLOAD.value == "replay":
+      hf_dir, capture = prepare(root, base)
+      command = lambda run_dir: replay_command(hf_dir, capture, run_dir)
+      identity, allocator_of = prediction_hashes, recorded_allocator
+    else:
+      command = pretrain_command
+      # The checkpoint records no provenance: the configuration's environment says it.
+      identity, allocator_of = checkpoint_hash, lambda _: None
+    print("command:\n  " + " ".join(command(Path("RUN"))[1:]))
     if _WARMUP.value:
-      timed(replay_command(hf_dir, capture, root / "warmup"), base, root / "warmup.log")
+      timed(command(root / "warmup"), base, root / "warmup.log")
     runs, hashes = {n: [] for n in names}, {}
     for r in range(_REPEATS.value):
       for name in names[r % len(names):] + names[:r % len(names)]:
         run_dir = root / f"run_{name}_{r}"
-        result = timed(replay_command(hf_dir, capture, run_dir), {**base, **available[name]},
+        result = timed(command(run_dir), {**base, **available[name]},
                        root / f"{run_dir.name}.log")
-        result["allocator"] = recorded_allocator(run_dir)
-        hashes[run_dir.name] = prediction_hashes(run_dir)
+        result["allocator"] = allocator_of(run_dir) or available[name]
+        hashes[run_dir.name] = identity(run_dir)
         runs[name].append(result)
         print(f"  round {r} {name:10s} wall {result['wall_s']:7.1f} s  user "
               f"{result['user_s']:7.1f}  sys {result['sys_s']:6.1f}  minflt "
@@ -220,16 +245,17 @@ def main(argv):
           f"{s['sys_s']['median']:7.1f} {100 * s['sys_share']:5.1f}% "
           f"{s['minflt']['median'] / 1e6:9.2f} {s['maxrss_mb']['median']:7.0f} "
           f"{s['wall_ratio_to_' + baseline]:14.2f}")
-  print(f"predictions byte-identical across all {len(hashes)} runs: {identical}")
+  print(f"outputs byte-identical across all {len(hashes)} runs: {identical}")
   if _OUT_JSON.value:
     results = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-               "cpus": os.cpu_count(), "command": replay_command(hf_dir, capture, Path("RUN")),
+               "cpus": os.cpu_count(), "workload": _WORKLOAD.value,
+               "command": command(Path("RUN")),
                "configs": {n: available[n] for n in names}, "runs": runs, "summary": summary,
                "baseline": baseline, "predictions_identical": identical,
                "prediction_sha256": reference}
     Path(_OUT_JSON.value).write_text(json.dumps(results, indent=2) + "\n")
   if not identical:
-    raise SystemExit("predictions differ between allocator configurations")
+    raise SystemExit("outputs differ between allocator configurations")
 
 
 if __name__ == "__main__":
