@@ -27,7 +27,8 @@ Configurations (--configs):
             glibc.malloc.tcache_count=0: what lla did by restarting each binary until 2026-12-02)
   trim_2gib lla's settings with the heap trimmed above 2 GiB - 1 (lla's earlier threshold)
   tcmalloc  LD_PRELOAD of TCMalloc (--tcmalloc; Debian: apt-get install libtcmalloc-minimal4)
-  jemalloc  LD_PRELOAD of jemalloc with its defaults (--jemalloc)
+  jemalloc  LD_PRELOAD of jemalloc with its defaults (--jemalloc; else the system one, else the
+            one Ray ships in ray/core)
   mimalloc  LD_PRELOAD of mimalloc with its defaults (--mimalloc)
   glibc_env glibc's environment tunables MALLOC_MMAP_THRESHOLD_ (32 MiB, its maximum) and
             MALLOC_TRIM_THRESHOLD_ (2 GiB - 1), lla's tuning off
@@ -104,6 +105,9 @@ def configurations() -> dict[str, dict[str, str] | None]:
   """name -> the environment it sets (None: unavailable here)."""
   tcmalloc = find_library(_TCMALLOC.value, ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"))
   jemalloc = find_library(_JEMALLOC.value, ("libjemalloc.so.2",))
+  ray_jemalloc = os.path.join(sysconfig.get_paths()["purelib"], "ray", "core", "libjemalloc.so")
+  if not _JEMALLOC.value and not jemalloc and os.path.exists(ray_jemalloc):
+    jemalloc = ray_jemalloc  # the build Ray ships for its own processes
   wheel = os.path.join(sysconfig.get_paths()["purelib"], "cmeel.prefix", "lib", "libmimalloc.so")
   mimalloc = find_library(_MIMALLOC.value, ("libmimalloc.so.2", "libmimalloc.so"))
   if not _MIMALLOC.value and os.path.exists(wheel):

@@ -206,6 +206,31 @@ def test_mixup_rows_are_convex_combinations(case):
     np.testing.assert_allclose(fit, lam[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("fixed", [[], [4], [4, 9], [4, 9, 17]])
+def test_mixup_pursuit_scores_every_entry_as_a_constrained_least_squares(fixed):
+  """Each entry's residual against the simplex-constrained fit written the other way: with
+  a_0 the first atom, y - a_0 ~ sum_j u_j (a_j - a_0) unconstrained (numpy's lstsq)."""
+  from lla.attacks.adaptive import mixup_adaptive
+  rng = np.random.default_rng(3)
+  table = rng.normal(size=(60, 12))
+  y = 0.5 * table[4] + 0.3 * table[9] + 0.2 * table[30] + 0.05 * rng.normal(size=12)
+  got = mixup_adaptive._with_each(table, np.sum(table**2, -1), fixed, y, table @ y)
+  for v in range(len(table)):
+    if v in fixed:
+      assert got[v] == np.inf
+      continue
+    atoms = table[fixed + [v]]
+    u = np.linalg.lstsq((atoms[1:] - atoms[0]).T, y - atoms[0], rcond=None)[0]
+    expected = np.sum((y - atoms[0] - (atoms[1:] - atoms[0]).T @ u) ** 2)
+    # rtol: the tiny ridge (1e-10 of the largest squared norm) that keeps repeats solvable.
+    np.testing.assert_allclose(got[v], expected, rtol=1e-6, atol=1e-9 * (y @ y))
+  # A planted 3-sparse mixture is found exactly from the nearest entries.
+  exact = 0.5 * table[4] + 0.3 * table[9] + 0.2 * table[30]
+  chosen, w, _ = mixup_adaptive.pursuit(table, np.sum(table**2, -1), exact, 3, 8)
+  assert sorted(chosen) == [4, 9, 30]
+  np.testing.assert_allclose(w[np.argsort(chosen)], [0.5, 0.3, 0.2], atol=1e-8)
+
+
 @pytest.mark.parametrize("m", [2])
 def test_mixup_adaptive_recovers_the_texts(case, undefended, m):
   _, _, truth, _ = case
