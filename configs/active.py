@@ -12,6 +12,10 @@ Variants (`:ARG`):
   full  the same with B = 16, N up to 40 and the beam-search attacks (activation, joint)
         on every capture.
   tiny  a randomly initialised 4-layer d = 32 model, a handful of steps: the tests.
+
+Any family: --config.model.hf_dir=DIR (or --config.model.gguf=FILE) runs the tier on that
+checkpoint, its architecture its own (GPT-2, Llama, Mistral, Qwen2/3, Gemma), when its
+vocabulary holds the data's GPT-2 token ids.
 """
 
 import ml_collections

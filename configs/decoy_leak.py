@@ -25,7 +25,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.policy = "decoy-gate.v1"  # lla/decoy/policies/<policy>.json: thresholds, doses; hashed.
 
   c.model = ml_collections.ConfigDict()
-  c.model.hf_dir = ""  # HF save_pretrained GPT-2 directory; empty: seeded random init below.
+  # An HF save_pretrained directory of any family (GPT-2, Llama, Qwen2/3, Mistral, Gemma);
+  # empty: a seeded random init of the GPT-2 below.
+  c.model.hf_dir = ""
   c.model.cut = 1 if tiny else 2  # k: the TLN prefix is embed + blocks[0:k].
   c.model.n_layer = 2 if tiny else 4  # Random-init shape (ignored with hf_dir).
   c.model.n_embd = 32 if tiny else 128
@@ -52,9 +54,9 @@ def get_config(arg: str = "cpu") -> ml_collections.ConfigDict:
   c.ucn.hidden = 32  # Width of the UCN's radial scalar MLP phi(||x||).
 
   c.train = ml_collections.ConfigDict()
-  # TLN trains its GPT-2 prefix and tail too (else only the codec). Off on CPU: AdamW over
-  # the 50k x d embedding doubles the step time (0.2 s vs 0.1 s at d = 128).
-  c.train.train_gpt2 = tiny
+  # TLN trains its model's prefix and tail too (else only the codec). Off on CPU: AdamW
+  # over the 50k x d embedding doubles the step time (0.2 s vs 0.1 s at d = 128).
+  c.train.train_model = tiny
   c.train.lr_tln = 1e-3  # AdamW learning rate of the TLN.
   c.train.lr_ucn = 1e-3  # AdamW learning rate of the UCN.
   c.train.weight_decay = 0.01  # AdamW weight decay of both nodes.

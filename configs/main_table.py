@@ -10,6 +10,10 @@ Variants (`:ARG`):
   paper  GPT-2 124M from --config.model.hf_dir (or the hub), 10 models x 2 attack seeds,
          k in {3, 6}, public and trained, 256 evaluation documents: for a GPU or TPU.
   tiny   a 4-layer model, k = 2 only and a handful of documents: the end-to-end test.
+  cpu_llama, tiny_llama
+         the same jobs on the Llama-family twin of their model (configs/models.py:
+         embedded_llama, tiny_llama: RoPE, RMSNorm, SwiGLU, the GPT-2 tokenizer), pre-trained
+         here with the same budget: the bridge between GPT-2 and the Llama family.
 """
 
 import ml_collections
@@ -21,10 +25,12 @@ from lla.attacks import registry
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
-  if variant not in ("cpu", "paper", "tiny"):
-    raise ValueError(f"unknown variant {variant!r}: cpu, paper or tiny")
-  tiny, paper = variant == "tiny", variant == "paper"
-  model_name = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny"}[variant]
+  model_names = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny",
+                 "cpu_llama": "embedded_llama", "tiny_llama": "tiny_llama"}
+  if variant not in model_names:
+    raise ValueError(f"unknown variant {variant!r}: one of {', '.join(model_names)}")
+  tiny, paper = variant.startswith("tiny"), variant == "paper"
+  model_name = model_names[variant]
   config = ml_collections.ConfigDict()
   config.variant = variant  # Recorded in the report.
   # Modules outside lla that register attacks ("pkg.module,..."); name their attacks in the
@@ -180,4 +186,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
   # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
   config.memory_budget_mb = 1024 if not paper else 16384
+  if variant.endswith("_llama"):
+    # The twin's architecture in every phase that reads the base model (the active tier
+    # checks the pre-trained checkpoint against it); where its weights come from is kept.
+    twin = models.get_config(model_name)
+    for part in (config.pretrain, config.finetune, config.active):
+      for field in models.ARCHITECTURE:
+        part.model[field] = twin[field]
   return config

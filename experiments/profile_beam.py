@@ -104,7 +104,7 @@ def main(argv):
   del argv
   runtime.configure()
   spec = models.get_config(_MODEL.value)
-  cfg = models_lib.gpt2_config(spec)
+  cfg = models_lib.architecture(spec)
   docs, seq_len, num, width, cut = (_DOCS.value, _SEQ_LEN.value, _CANDIDATES.value,
                                     _WIDTH.value, _CUT.value)
   params = random_params(cfg, _SEED.value)

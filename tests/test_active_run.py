@@ -21,15 +21,19 @@ V, T = 64, 8
 SEED = 10  # With 8 steps its SplitGuard plan has fake batches after R1 and R2 fill.
 
 
-def _setup(tmp: pathlib.Path) -> run.Setup:
+def _setup(tmp: pathlib.Path, cfg=None, params=None, num_steps: int = 8) -> run.Setup:
+  """A tiny experiment (cut 1, batches of 4, SplitGuard from step 0) on `cfg` and `params`
+  (default: a random 3-layer GPT-2 of V = 64), captures at step 0 and `num_steps`."""
   config = active.get_config("tiny")
-  config.batch_size, config.num_steps, config.capture_steps, config.cut = 4, 8, (0, 8), 1
+  config.batch_size, config.num_steps, config.cut = 4, num_steps, 1
+  config.capture_steps = (0, num_steps)
   config.detectors.splitguard_warmup, config.detectors.p_fake = 0, 0.5
-  cfg = gpt2.GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=3, n_head=2)
-  params = gpt2.init_params(cfg, jax.random.key(0))
+  if cfg is None:
+    cfg = gpt2.GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=3, n_head=2)
+    params = gpt2.init_params(cfg, jax.random.key(0))
   base = ckpt.save(tmp / "base", params, cfg, {"kind": "test"}, export_hf=False)
   rng = np.random.default_rng(0)
-  windows = rng.integers(0, V, (64, T)).astype(np.int32)
+  windows = rng.integers(0, cfg.vocab_size, (64, T)).astype(np.int32)
   drawn = passages.draw_splits({"train": windows, "test": windows[::-1].copy()},
                                {"calibration": "train", "training": "train",
                                 "evaluation": "test"},
@@ -38,7 +42,7 @@ def _setup(tmp: pathlib.Path) -> run.Setup:
   spec = run.fsha_spec(config, cfg)
   pilot, _ = fsha.pretrain(fsha.init_pilot(spec, jax.random.key(1)),
                            [windows[i:i + 4] for i in range(0, 16, 4)], 1e-3)
-  cspec = client.ClientSpec.make(cfg, 1, config.client_optimizer, config.num_steps)
+  cspec = client.ClientSpec.make(cfg, 1, config.client_optimizer, num_steps)
   return run.Setup(config, "test-config", cfg, params, base.sha256,
                    {"checkpoint": str(base.path)}, splits, windows[32:], pilot, "test-pilot",
                    cspec)

@@ -78,6 +78,34 @@ def test_norm_attack_reads_the_mitigated_norms(captures):
   assert abs(blind["row_agreement"] - chance) < 5 * np.sqrt(chance * (1 - chance) / truth.size)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "gemma"])
+def test_every_family_trains_and_leaks_through_zero_decoy_gradients(family, tmp_path):
+  """The TLN's model is any family's (the tiny random checkpoints of
+  tests/test_attacks_families.py, through an HF directory as `configs/decoy_leak.py` names
+  one): the split trains (the loss falls from its start) and, unmitigated, the decoy rows'
+  returned gradients are exactly zero, so the structural attack is exact on every frame."""
+  from lla.decoy import run
+  from lla.model import decoder, hf_io
+  from test_attacks_families import CONFIGS
+  hf_io.save_hf_dir(decoder.random_params(CONFIGS[family], seed=2, std=0.05), CONFIGS[family],
+                    tmp_path / family)
+  train, _, vocab = data.load_blocks("synthetic", 32, vocab=64, n_tokens=6000, seed=0)
+  config = decoy_leak.get_config("tiny")
+  config.model.hf_dir = str(tmp_path / family)
+  params, cfg, _ = run.load_model(config, vocab, seed=0)
+  assert cfg == CONFIGS[family]
+  spec = system.SplitSpec(cfg=cfg, cut=1, width=16, pool_size=128)
+  state = system.init_state(spec, params, train[:4], jax.random.PRNGKey(1))
+  steps = 32
+  _, out = system.train(spec, state, train[4:4 + steps], jax.random.PRNGKey(2), chunk=32)
+  truth = capture.truth_from_perm(out["perm"], train[4:4 + steps], 32)
+  decoy = truth["real_mask"] == 0
+  assert np.all(out["gradient"][decoy] == 0.0)
+  assert np.all(np.any(out["gradient"][~decoy] != 0.0, axis=-1))
+  assert attacks.structural(out["gradient"], truth["real_mask"])["frames_exact"] == steps
+  assert out["loss"][-8:].mean() < out["loss"][:8].mean(), out["loss"]
+
+
 def test_gauge_round_trip():
   k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
   rows = jax.random.normal(k1, (80, 64))

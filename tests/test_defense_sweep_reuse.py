@@ -134,7 +134,7 @@ def test_defended_fine_tune_made_with_another_secret_is_refused(tmp_path):
   config.model.update(vocab_size=128, n_positions=16)
   config.update({"num_models": 1, "batch_size": 8, "num_epochs": 1})
   from lla.train import models  # pylint: disable=g-import-not-at-top
-  cfg = models.gpt2_config(config.model)
+  cfg = models.architecture(config.model)
   params = init_params(cfg, jax.random.key(0))
   base = (params, cfg, {"source": "test", "params_sha256": ckpt.params_sha256(params)})
   defense = defenses.make("gaussian", sigma=0.5)

@@ -287,3 +287,24 @@ def test_capture_cli_on_a_llama_checkpoint(tmp_path):
   assert_close(captured.gradients, g_ref, RTOL, "captured g")
   assert captured.metadata["model_info"] == {"family": "llama", "format": "hf-safetensors",
                                              "dequantisation": "none"}
+
+
+def test_the_llama_twin_has_its_gpt2s_shape_and_size():
+  """configs/models.py's `embedded_llama` is the embedded GPT-2's twin: the same vocabulary,
+  width, depth, heads and positions, and (SwiGLU of width ~8d/3 against GPT-2's 4d MLP)
+  within 1% of its parameter count, counted from the initialised shapes."""
+  from configs import main_table
+  from configs import models as model_configs
+  from lla.train import models
+  gpt2, twin = (models.architecture(model_configs.get_config(name))
+                for name in ("embedded", "embedded_llama"))
+  shared = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
+  assert twin.family == "llama" and all(getattr(twin, f) == getattr(gpt2, f) for f in shared)
+  count = lambda cfg: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(
+      jax.eval_shape(lambda: split.init_params(cfg, jax.random.key(0)))))
+  assert abs(count(twin) / count(gpt2) - 1) < 0.01, (count(twin), count(gpt2))
+  # The main job's twin variant reads the twin's architecture in every phase.
+  config = main_table.get_config("cpu_llama")
+  for part in (config.model, config.pretrain.model, config.finetune.model, config.active.model,
+               config.frontier.sweep.cell.target):
+    assert models.architecture(part) == twin

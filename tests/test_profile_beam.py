@@ -43,7 +43,7 @@ SHAPES = (BINARY_SHAPE, (3, 2, 9, 5, 3))
 
 
 def _tiny():
-  return models_lib.gpt2_config(models.get_config("tiny"))
+  return models_lib.architecture(models.get_config("tiny"))
 
 
 def _beam_loop(cfg, k, docs, seq_len, num, width):

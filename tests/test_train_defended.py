@@ -83,7 +83,7 @@ def _hand_adamw_first_step(params, grads, opt):
 def _client_grad_norm(grads):
   """L2 norm of the gradient of the client blocks h_0..h_{K-1}."""
   return float(np.sqrt(sum(np.sum(np.asarray(g) ** 2)
-                           for name in loop.client_layer_names(K) if name.startswith("h_")
+                           for name in [f"h_{i}" for i in range(K)]
                            for g in jax.tree.leaves(grads[name]))))
 
 

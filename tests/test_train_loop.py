@@ -73,12 +73,33 @@ def test_client_layers_frozen_only_when_asked(params, train_client_layers):
                       seed=0, trainable=trainable, progress=False)
   for name in params:
     same = _leaves_equal(params[name], result.params[name])
-    is_client = name in loop.client_layer_names(K)
+    is_client = name in ("wte", "wpe", *(f"h_{i}" for i in range(K)))  # GPT-2's client
     assert same == (is_client and not train_client_layers), name
   # The forward message is the base model's exactly when the client layers were frozen.
   x = _tokens(2)
   h_base, h_new = split.client(params, CFG, x, K), split.client(result.params, CFG, x, K)
   assert np.array_equal(h_base, h_new) == (not train_client_layers)
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_a_llama_client_is_frozen_by_its_own_names(tie_embeddings):
+  """A RoPE family's client is embed_tokens and layers_0..k-1: public knowledge freezes
+  exactly those (and a tied head with them); an untied lm_head trains with the server."""
+  from lla.model import decoder
+  cfg = decoder.DecoderConfig(family="llama", vocab_size=128, n_positions=16, n_embd=32,
+                              n_layer=4, n_head=2, n_kv_head=1, head_dim=16, d_ff=48,
+                              tie_embeddings=tie_embeddings)
+  params = decoder.random_params(cfg, seed=1)
+  result = loop.train(params, cfg, _tokens(), optimizer=_optimizer(), num_steps=4,
+                      batch_size=8, seed=0, trainable=loop.trainable_mask(params, K, False),
+                      progress=False)
+  client = ("embed_tokens", *(f"layers_{i}" for i in range(K)))
+  assert set(params) == {*client, "layers_2", "layers_3", "norm"} | (
+      set() if tie_embeddings else {"lm_head"})
+  for name in params:
+    assert _leaves_equal(params[name], result.params[name]) == (name in client), name
+  x = _tokens(2)
+  np.testing.assert_array_equal(split.client(params, cfg, x, K), split.client(result.params, cfg, x, K))
 
 
 def test_frozen_negative_zero_survives(params):

@@ -1,7 +1,7 @@
 """The client of split fine-tuning: its layers, its optimiser and its trusted loss oracle.
 
-The client holds the text and the first k blocks (wte, wpe, h_0..h_{k-1}; knowledge
-`trained`: all of them train). Per step it sends h = client(x) and applies whatever
+The client holds the text and the first k blocks (GPT-2's wte, wpe, h_0..h_{k-1}, or a RoPE
+family's embed_tokens, layers_0..layers_{k-1}; knowledge `trained`: all of them train). Per step it sends h = client(x) and applies whatever
 gradient g the server returns: grads = VJP of its layers at g, then its own optimiser
 (per-party global-norm clipping and AdamW, the fine-tune settings of configs/finetune.py).
 
@@ -26,7 +26,6 @@ import optax
 from lla.active.parts import client_params, tail_logits
 from lla.active.protocol import Backward, Forward
 from lla.model import split
-from lla.model.gpt2 import GPT2Config
 from lla.train import loop
 
 
@@ -71,13 +70,13 @@ class ClientSpec:
     total_steps: length of the learning-rate schedule (the client's own plan).
   """
 
-  cfg: GPT2Config
+  cfg: split.ModelConfig
   cut: int
   optimizer_json: str
   total_steps: int
 
   @classmethod
-  def make(cls, cfg: GPT2Config, cut: int, optimizer: ml_collections.ConfigDict,
+  def make(cls, cfg: split.ModelConfig, cut: int, optimizer: ml_collections.ConfigDict,
            total_steps: int) -> "ClientSpec":
     return cls(cfg, int(cut), optimizer.to_json(sort_keys=True), int(total_steps))
 
@@ -114,20 +113,24 @@ def apply(spec: ClientSpec, state: dict, vjp, message: Backward, skip: jax.Array
 
 
 def probe_vector(grads: dict) -> jax.Array:
-  """SplitGuard's observed vector: the gradient of the first block's attention kernel
-  (`h_0/attn/c_attn/kernel`, d x 3d), flattened (the official code reads the client's
-  first parameter tensor)."""
-  return grads["h_0"]["attn"]["c_attn"]["kernel"].reshape(-1)
+  """SplitGuard's observed vector: the gradient of the first block's query, key and value
+  kernels, flattened (the official code reads the client's first parameter tensor): GPT-2's
+  fused `h_0/attn/c_attn/kernel` (d x 3d); a RoPE family's q_proj, k_proj and v_proj
+  kernels of `layers_0` (d x (H + 2 H_kv) D), concatenated in that order."""
+  if "h_0" in grads:
+    return grads["h_0"]["attn"]["c_attn"]["kernel"].reshape(-1)
+  attention = grads["layers_0"]["self_attn"]
+  return jnp.concatenate([attention[f"{p}_proj"]["kernel"].reshape(-1) for p in "qkv"])
 
 
-def reference_gradient(ref_tail: dict, cfg: GPT2Config, h: jax.Array, labels: jax.Array,
+def reference_gradient(ref_tail: dict, cfg: split.ModelConfig, h: jax.Array, labels: jax.Array,
                        k: int) -> jax.Array:
   """dL/dh [B, T, d] of an honest server whose tail is `ref_tail` (the client's copy of the
   public pre-trained one): the reference-cosine detector's yardstick."""
   return jax.grad(lambda h_: split.next_token_loss(tail_logits(ref_tail, cfg, h_, k), labels))(h)
 
 
-def heldout_ce(own: dict, ref_tail: dict, cfg: GPT2Config, tokens: jax.Array,
+def heldout_ce(own: dict, ref_tail: dict, cfg: split.ModelConfig, tokens: jax.Array,
                k: int) -> jax.Array:
   """The client's trusted task-loss evaluator: mean next-token CE of its current layers
   followed by the public pre-trained tail, on its held-out documents [N, T]."""

@@ -45,12 +45,17 @@ from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.evidence import files, rundir
 from lla.model import checkpoint as ckpt
-from lla.model import gpt2
+from lla.model import loading
+from lla.model import split
 from lla.protocol import tuple as protocol
 from lla.scoring import metrics
 from lla.train import loop, models
 
 ACTIVE_SERVER = protocol.Attacker("active_server", ("observe", "write_gradient"))
+
+
+class ActiveInputError(ValueError):
+  """The experiment's inputs do not fit together (found before anything is trained)."""
 
 
 # --- what all runs of one experiment share ---------------------------------------------------
@@ -74,7 +79,7 @@ class Setup:
 
   config: ml_collections.ConfigDict
   config_sha256: str
-  cfg: gpt2.GPT2Config
+  cfg: split.ModelConfig
   base: dict
   base_id: str
   base_source: dict
@@ -103,21 +108,29 @@ class Setup:
     return {}
 
 
-def load_base(config, workdir: pathlib.Path) -> tuple[dict, gpt2.GPT2Config, str, dict]:
+def load_base(config, workdir: pathlib.Path) -> tuple[dict, split.ModelConfig, str, dict]:
   """(params, cfg, params sha256, loading source) of the base model.
 
-  `config.model.checkpoint` (the main job's pre-trained base), `hf_dir` or `hub`; with none
+  `config.model.checkpoint` (the main job's pre-trained base; its architecture checked
+  against the config), `hf_dir` or a GGUF file (`gguf`, `gguf_package`: any family, the
+  architecture the file's own), or `hub`; with none
   of them and `init_seed` >= 0, a seeded random init saved once under workdir/base (the tiny
   variant).
   """
   model = config.model
-  source = {k: model[k] for k in ("checkpoint", "hf_dir", "hub") if model[k]}
+  source = {k: model[k] for k in ("checkpoint", "hf_dir", "hub", "gguf", "gguf_package")
+            if model.get(k)}
+  if not model.checkpoint and source.keys() & {"hf_dir", "gguf", "gguf_package"}:
+    # A checkpoint of any family (Llama, Qwen, Mistral, Gemma or GPT-2): its architecture
+    # is the file's own, as the capture and replay binaries load it.
+    loaded = loading.load_model(model)
+    return loaded.params, loaded.cfg, loaded.model_id, source
   if not source:
     if model.init_seed < 0:
       raise ValueError("config.model names no checkpoint, hf_dir or hub: name the pre-trained "
                        "base (e.g. --config.model.checkpoint=RUN/pretrain/checkpoint)")
-    cfg = models.gpt2_config(model)
-    create = lambda: (gpt2.init_params(cfg, jax.random.key(model.init_seed)), cfg,
+    cfg = models.architecture(model)
+    create = lambda: (split.init_params(cfg, jax.random.key(model.init_seed)), cfg,
                       {"kind": "random-init", "seed": int(model.init_seed)})
     checkpoint, _ = ckpt.load_or_create(workdir / "base", create, export_hf=False)
     source = {"checkpoint": str(checkpoint.path)}
@@ -126,7 +139,7 @@ def load_base(config, workdir: pathlib.Path) -> tuple[dict, gpt2.GPT2Config, str
   return params, cfg, provenance["params_sha256"], source
 
 
-def fsha_spec(config, cfg: gpt2.GPT2Config) -> fsha.FSHASpec:
+def fsha_spec(config, cfg: split.ModelConfig) -> fsha.FSHASpec:
   f = config.fsha
   return fsha.FSHASpec(vocab_size=cfg.vocab_size, seq_len=int(config.data.seq_len),
                        width=cfg.n_embd, critic_hidden=int(f.critic_hidden),
@@ -170,6 +183,11 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
 def make_setup(config, workdir: pathlib.Path) -> Setup:
   params, cfg, base_id, source = load_base(config, workdir)
   splits = data.load_splits(**config.data.to_dict())
+  largest = max(int(np.max(part.tokens)) for _, part in splits.items())
+  if largest >= cfg.vocab_size:
+    # An embedding lookup would clamp the id silently: refuse the pairing instead.
+    raise ActiveInputError(f"the documents hold token id {largest}, beyond the model's vocabulary of "
+                     f"{cfg.vocab_size}: use a model with the data's tokenizer")
   public_tokens = public.public_windows(splits, int(config.public.n_docs),
                                         int(config.public.seed), config.data.data_dir)
   pilot = pilot_sha = self_inversion = None
@@ -234,12 +252,12 @@ def frozen_reply(cspec: client.ClientSpec, server, cstate: dict, sstate: dict, t
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def reference_gradient(ref_tail: dict, h, labels, cfg: gpt2.GPT2Config, k: int):
+def reference_gradient(ref_tail: dict, h, labels, cfg: split.ModelConfig, k: int):
   return client.reference_gradient(ref_tail, cfg, h, labels, k)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
-def heldout_ce(own: dict, ref_tail: dict, tokens, cfg: gpt2.GPT2Config, k: int):
+def heldout_ce(own: dict, ref_tail: dict, tokens, cfg: split.ModelConfig, k: int):
   return client.heldout_ce(own, ref_tail, cfg, tokens, k)
 
 

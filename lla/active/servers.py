@@ -34,7 +34,7 @@ import optax
 from lla.active import fsha
 from lla.active.parts import tail_logits
 from lla.active.protocol import Backward, Forward
-from lla.model.gpt2 import GPT2Config
+from lla.model import split
 from lla.train import loop
 
 KINDS = ("honest", "fsha", "mixed")
@@ -51,7 +51,7 @@ class HonestServer:
     total_steps: its schedule length.
   """
 
-  cfg: GPT2Config
+  cfg: split.ModelConfig
   cut: int
   optimizer_json: str
   total_steps: int

@@ -241,7 +241,8 @@ ROPE_FAMILIES_VERIFIED = frozenset({
     "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip", "sip_linear",
     "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp",
     "gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive", "projection_adaptive",
-    "quantize_adaptive", "topk_adaptive", "activation_defense_aware", "joint_defense_aware"})
+    "quantize_adaptive", "topk_adaptive", "activation_defense_aware", "joint_defense_aware",
+    "fsha_decode"})
 
 
 def supports_family(name: str, family: str) -> bool:

@@ -22,7 +22,7 @@ from absl import logging
 from lla.decoy import attacks, capture, data, modules, system
 from lla.decoy import records as decoy_records
 from lla.evidence import files
-from lla.model import gpt2, hf_io
+from lla.model import gpt2, hf_io, split
 
 POLICY_DIR = os.path.join(os.path.dirname(__file__), "policies")
 ARMS = ("none", "mitigated")
@@ -44,8 +44,9 @@ def load_policy(name: str) -> tuple[dict, str]:
   return files.read_json(path), files.sha256_bytes(raw)
 
 
-def load_model(config, vocab: int, seed: int) -> tuple[dict, gpt2.GPT2Config, str]:
-  """(params, cfg, model id): the checkpoint in `model.hf_dir`, else a seeded random init."""
+def load_model(config, vocab: int, seed: int) -> tuple[dict, split.ModelConfig, str]:
+  """(params, cfg, model id): the checkpoint in `model.hf_dir` (any family), else a seeded
+  random init of a GPT-2."""
   if config.model.hf_dir:
     params, cfg = hf_io.load_hf_dir(config.model.hf_dir)
     if cfg.vocab_size < vocab:
@@ -58,14 +59,14 @@ def load_model(config, vocab: int, seed: int) -> tuple[dict, gpt2.GPT2Config, st
   return gpt2.init_params(cfg, jax.random.PRNGKey(seed)), cfg, f"random-init:seed{seed}"
 
 
-def make_spec(config, cfg: gpt2.GPT2Config, mitigated: bool) -> system.SplitSpec:
+def make_spec(config, cfg: split.ModelConfig, mitigated: bool) -> system.SplitSpec:
   p = config.protocol
   return system.SplitSpec(
       cfg=cfg, cut=config.model.cut, n_real=p.n_real, n_decoy=p.n_decoy, width=p.width,
       pool_size=p.pool_size, fwd_clip=p.fwd_clip, fwd_noise=p.fwd_noise,
       grad_clip=config.mitigation.grad_clip if mitigated else 0.0,
       grad_noise=config.mitigation.grad_noise, ucn_hidden=config.ucn.hidden,
-      train_gpt2=config.train.train_gpt2, lr_tln=config.train.lr_tln,
+      train_model=config.train.train_model, lr_tln=config.train.lr_tln,
       lr_ucn=config.train.lr_ucn, weight_decay=config.train.weight_decay)
 
 

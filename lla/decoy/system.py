@@ -1,7 +1,8 @@
 """The training-time split with decoy rows (PROTOCOL section 7) as one pure, jitted step.
 
-A trusted local node (TLN) owns the GPT-2 prefix (embed + blocks[0:k]), a private linear
-encoder d -> D and decoder D -> d, the tail (blocks[k:L], ln_f, head), the loss and the
+A trusted local node (TLN) owns the model's prefix (embed + blocks[0:k]; GPT-2 or a RoPE
+family, lla.model.split), a private linear
+encoder d -> D and decoder D -> d, the tail (blocks[k:L], final norm, head), the loss and the
 labels. An untrusted cloud node (UCN) trains a radial row-wise map on D-dimensional rows.
 Per step the TLN sends one frame (real rows + decoys, permuted and Haar-rotated), the UCN
 returns its output frame, the TLN returns dL/d(UCN output) in wire coordinates, and the
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lla.model.gpt2 import GPT2, GPT2Config
+from lla.model import split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class SplitSpec:
   """Static description of the system (hashable: a jit static argument).
 
   Attributes:
-    cfg: the GPT-2 architecture; cut: k, the number of prefix blocks.
+    cfg: the model's architecture (any family); cut: k, the number of prefix blocks.
     n_real: real rows per frame (block length); n_decoy: decoy rows per frame.
     width: D, the wire width; pool_size: P, recently sent real latents decoys come from.
     fwd_clip: C, L2 clip of every real row before it is sent.
@@ -42,10 +43,10 @@ class SplitSpec:
     grad_clip: C_g of the mitigation (clip of every returned-gradient row); 0 = off.
     grad_noise: per-coordinate std of the mitigation's noise, in units of C_g.
     ucn_hidden: hidden width of the UCN's scalar MLP phi.
-    train_gpt2: whether the TLN also trains the GPT-2 prefix and tail (else only the codec).
+    train_model: whether the TLN also trains the model's prefix and tail (else only the codec).
     lr_tln, lr_ucn, weight_decay: AdamW settings of the two nodes.
   """
-  cfg: GPT2Config
+  cfg: split.ModelConfig
   cut: int
   n_real: int = 32
   n_decoy: int = 48
@@ -56,7 +57,7 @@ class SplitSpec:
   grad_clip: float = 0.0
   grad_noise: float = 0.35
   ucn_hidden: int = 32
-  train_gpt2: bool = True
+  train_model: bool = True
   lr_tln: float = 1e-3
   lr_ucn: float = 1e-3
   weight_decay: float = 0.01
@@ -140,19 +141,17 @@ def clip_rows(x: jax.Array, c: float) -> jax.Array:
 
 def encode(spec: SplitSpec, tln: dict, inputs: jax.Array, key: jax.Array) -> jax.Array:
   """Real rows as sent: inputs [R] int -> clip(enc(prefix(inputs)), C) + noise, [R, D]."""
-  model = GPT2(spec.cfg)
-  x = model.apply({"params": tln["gpt2"]}, inputs[None], method=GPT2.embed)
-  h = model.apply({"params": tln["gpt2"]}, x, 0, spec.cut, method=GPT2.blocks)[0]
+  model = split.module(spec.cfg)
+  x = model.apply({"params": tln["model"]}, inputs[None], method="embed")
+  h = model.apply({"params": tln["model"]}, x, 0, spec.cut, method="blocks")[0]
   z = clip_rows(h @ tln["enc"]["w"] + tln["enc"]["b"], spec.fwd_clip)
   return z + spec.fwd_noise * spec.fwd_clip * jax.random.normal(key, z.shape)
 
 
 def tail_loss(spec: SplitSpec, tln: dict, real_out: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean CE of the tail on decoded real rows: real_out [R, D], targets [R] -> scalar."""
-  model = GPT2(spec.cfg)
   x = (real_out @ tln["dec"]["w"] + tln["dec"]["b"])[None]
-  x = model.apply({"params": tln["gpt2"]}, x, spec.cut, spec.cfg.n_layer, method=GPT2.blocks)
-  logits = model.apply({"params": tln["gpt2"]}, x, method=GPT2.head)[0]
+  logits = split.server_logits(tln["model"], spec.cfg, x, spec.cut)[0]
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -164,8 +163,8 @@ def mitigate(spec: SplitSpec, grad: jax.Array, key: jax.Array) -> jax.Array:
 
 def _optimizers(spec: SplitSpec):
   tln_opt = optax.adamw(spec.lr_tln, weight_decay=spec.weight_decay)
-  if not spec.train_gpt2:
-    labels = lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "gpt2" else "train", v)
+  if not spec.train_model:
+    labels = lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "model" else "train", v)
                         for k, v in p.items()}
     tln_opt = optax.multi_transform({"train": tln_opt, "frozen": optax.set_to_zero()}, labels)
   return tln_opt, optax.adamw(spec.lr_ucn, weight_decay=spec.weight_decay)
@@ -174,11 +173,11 @@ def _optimizers(spec: SplitSpec):
 # --- State, one step, a scanned run -------------------------------------------------------------
 
 
-def init_state(spec: SplitSpec, gpt2_params: dict, pool_blocks: jax.Array, key: jax.Array):
+def init_state(spec: SplitSpec, model_params: dict, pool_blocks: jax.Array, key: jax.Array):
   """The state of both nodes before step 0.
 
   Args:
-    gpt2_params: the TLN's GPT-2 (pretrained or random).
+    model_params: the TLN's model (pretrained or random).
     pool_blocks: [P / R, R + 1] tokens; the TLN encodes them to fill the decoy pool, as if
       they had been sent just before the run.
     key: init key.
@@ -187,7 +186,7 @@ def init_state(spec: SplitSpec, gpt2_params: dict, pool_blocks: jax.Array, key: 
     state dict: tln, ucn, tln_opt, ucn_opt, pool [P, D], ptr (next pool row to overwrite).
   """
   k_codec, k_ucn, k_pool = jax.random.split(key, 3)
-  tln = {"gpt2": gpt2_params, **init_codec(k_codec, spec.cfg.n_embd, spec.width)}
+  tln = {"model": model_params, **init_codec(k_codec, spec.cfg.n_embd, spec.width)}
   ucn = init_ucn(k_ucn, spec.ucn_hidden)
   keys = jax.random.split(k_pool, pool_blocks.shape[0])
   pool = jax.jit(jax.vmap(lambda b, k: encode(spec, tln, b[:-1], k)))(pool_blocks, keys)

@@ -37,9 +37,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from lla.model import decoder, hf_io
+from lla.model import hf_io
+from lla.model import split
 from lla.model.decoder import DecoderConfig
-from lla.model.gpt2 import GPT2Config, init_params
+from lla.model.gpt2 import GPT2Config
 
 FORMAT = "lla-checkpoint.v1"
 PARAMS_DIR, CONFIG_FILE, METADATA_FILE, HF_DIR = "params", "config.json", "metadata.json", "hf"
@@ -103,12 +104,6 @@ def config_from_json(fields: dict) -> GPT2Config | DecoderConfig:
   return GPT2Config(**fields)
 
 
-def _init_params(cfg: GPT2Config | DecoderConfig, key):
-  if isinstance(cfg, DecoderConfig):
-    return decoder.init_params(cfg, key)
-  return init_params(cfg, key)
-
-
 def _checkpointer() -> ocp.StandardCheckpointer:
   """An orbax checkpointer for this process alone. In a job across processes (lla.dist)
   only process 0 saves, and each process restores what it needs on its own; orbax's
@@ -167,7 +162,7 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
     raise CheckpointError(f"{directory}: unreadable metadata or config ({e})") from None
   if metadata.get("format") != FORMAT:
     raise CheckpointError(f"{directory}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-  target = jax.eval_shape(lambda: _init_params(cfg, jax.random.key(0)))
+  target = jax.eval_shape(lambda: split.init_params(cfg, jax.random.key(0)))
   try:
     with _checkpointer() as checkpointer:
       params = checkpointer.restore(directory / PARAMS_DIR, target)

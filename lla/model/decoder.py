@@ -328,9 +328,11 @@ class Decoder(nn.Module):
                                  param_dtype=jnp.float32, name="embed_tokens")
     self.layers = [Layer(cfg, i, name=f"layers_{i}") for i in range(cfg.n_layer)]
     self.norm = _norm(cfg, "norm")
-    if not cfg.tie_embeddings:
-      self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                (cfg.vocab_size, cfg.n_embd), jnp.float32)
+    if not cfg.tie_embeddings and self.is_initializing():
+      # Declared at init only and read where it is used (`head`): a party's share of the
+      # parameters without the head (the client's) must apply too.
+      self.param("lm_head", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.n_embd),
+                 jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int -> logits [B, T, V] float32."""
@@ -358,7 +360,7 @@ class Decoder(nn.Module):
     x = self.norm(x).astype(jnp.float32)
     if self.cfg.tie_embeddings:
       return self.embed_tokens.attend(x)
-    return jnp.einsum("...d,vd->...v", x, self.lm_head)
+    return jnp.einsum("...d,vd->...v", x, self.variables["params"]["lm_head"])
 
   def blocks_step(self, x_t: jax.Array, cache: jax.Array, t: jax.Array, start: int, stop: int):
     """One position through blocks start..stop-1 with a KV cache.

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lla.model import decoder
+from lla.model import gpt2
 from lla.model.decoder import Decoder, DecoderConfig
 from lla.model.gpt2 import GPT2, GPT2Config
 
@@ -34,6 +36,13 @@ def module(cfg: ModelConfig):
   if isinstance(cfg, DecoderConfig):
     return Decoder(cfg)
   return GPT2(cfg)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+  """A random initialisation of the model of `cfg` (either family's own init)."""
+  if isinstance(cfg, DecoderConfig):
+    return decoder.init_params(cfg, key)
+  return gpt2.init_params(cfg, key)
 
 
 def _check_cut(cfg: ModelConfig, k: int) -> None:
@@ -61,6 +70,31 @@ def output_table(params) -> jax.Array:
   return input_table(params)
 
 
+def client_layer_names(params, k: int) -> tuple[str, ...]:
+  """Top-level parameter groups the client of cut k computes with: GPT-2's wte, wpe and
+  h_0..h_{k-1}; the RoPE families' embed_tokens and layers_0..layers_{k-1}."""
+  if "wte" in params:
+    return ("wte", "wpe", *(f"h_{i}" for i in range(k)))
+  return ("embed_tokens", *(f"layers_{i}" for i in range(k)))
+
+
+def server_layer_names(params, cfg: ModelConfig, k: int) -> tuple[str, ...]:
+  """The groups the server of cut k computes with: blocks k..L-1, the final norm and the
+  output head (GPT-2's and a tied family's head is the input table, `lm_head` otherwise)."""
+  if "wte" in params:
+    return (*(f"h_{i}" for i in range(k, cfg.n_layer)), "ln_f", "wte")
+  head = "lm_head" if "lm_head" in params else "embed_tokens"
+  return (*(f"layers_{i}" for i in range(k, cfg.n_layer)), "norm", head)
+
+
+def server_logits(params, cfg: ModelConfig, h: jax.Array, k: int) -> jax.Array:
+  """The server's forward: h [B, T, d] -> logits [B, T, V] (blocks k.., final norm, head).
+  `params` needs only the `server_layer_names` groups."""
+  model = module(cfg)
+  x = model.apply({"params": params}, h, k, cfg.n_layer, method="blocks")
+  return model.apply({"params": params}, x, method="head")
+
+
 def wte(params) -> jax.Array:
   """The token embedding matrix `[V, d]`; for GPT-2 also the tied output head.
   Kept for existing callers: it is `input_table`."""
@@ -77,12 +111,6 @@ def client(params, cfg: ModelConfig, tokens: jax.Array, k: int) -> jax.Array:
   return h.astype(jnp.float32)
 
 
-def _server_logits(params, cfg: ModelConfig, h: jax.Array, k: int) -> jax.Array:
-  model = module(cfg)
-  x = model.apply({"params": params}, h, k, cfg.n_layer, method="blocks")
-  return model.apply({"params": params}, x, method="head")
-
-
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Mean CE of logits[b, t] against tokens[b, t+1] over all B * (T-1) positions."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
@@ -93,7 +121,7 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 def server_loss(params, cfg: ModelConfig, h: jax.Array, tokens: jax.Array, k: int):
   """Server side: h [B, T, d], tokens [B, T] -> (loss scalar, logits [B, T, V])."""
   _check_cut(cfg, k)
-  logits = _server_logits(params, cfg, h, k)
+  logits = server_logits(params, cfg, h, k)
   return next_token_loss(logits, tokens), logits
 
 
@@ -104,7 +132,7 @@ def boundary_messages(params, cfg: ModelConfig, tokens: jax.Array, k: int):
   One forward through the client, one forward + VJP through the server.
   """
   h = client(params, cfg, tokens, k)
-  loss_of_h = lambda h_: next_token_loss(_server_logits(params, cfg, h_, k), tokens)
+  loss_of_h = lambda h_: next_token_loss(server_logits(params, cfg, h_, k), tokens)
   g = jax.grad(loss_of_h)(h)
   return h, g
 

@@ -22,6 +22,7 @@ from absl import logging
 
 from lla import data
 from lla.model import checkpoint as ckpt
+from lla.model import split
 from lla.train import loop
 from lla.train import models
 from lla.train.pretrain import json_config
@@ -116,7 +117,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
           "k": config.k,
           "train_client_layers": config.train_client_layers,
           "knowledge": knowledge(config.train_client_layers),
-          "frozen": [] if config.train_client_layers else list(loop.client_layer_names(config.k)),
+          "frozen": [] if config.train_client_layers else list(split.client_layer_names(params, config.k)),
           "base": provenance,
           "num_steps": steps,
           "history": result.history,

@@ -45,20 +45,16 @@ def decay_mask(params) -> dict:
   return jax.tree_util.tree_map_with_path(lambda path, _: _path_names(path)[-1] == "kernel", params)
 
 
-def client_layer_names(k: int) -> tuple[str, ...]:
-  """Top-level parameter groups that the client of cut k computes with."""
-  return ("wte", "wpe", *(f"h_{i}" for i in range(k)))
-
-
 def trainable_mask(params, k: int, train_client_layers: bool) -> dict:
   """Boolean pytree: which parameters fine-tuning may change.
 
-  With `train_client_layers=False` (knowledge `public`) the client layers wte, wpe and
-  h_0..h_{k-1} are frozen, so the client's computation and hence the forward message is that of
-  the base model. The output head is tied to wte, so it is frozen too: only h_k..h_{L-1} and
-  ln_f train.
+  With `train_client_layers=False` (knowledge `public`) the client layers
+  (`split.client_layer_names`: GPT-2's wte, wpe and h_0..h_{k-1}) are frozen, so the
+  client's computation and hence the forward message is that of the base model. A tied
+  output head is the input table, so it is frozen too: only the server's blocks and final
+  norm train (and an untied `lm_head`).
   """
-  frozen = () if train_client_layers else client_layer_names(k)
+  frozen = () if train_client_layers else split.client_layer_names(params, k)
   return jax.tree_util.tree_map_with_path(lambda path, _: _path_names(path)[0] not in frozen, params)
 
 

@@ -1,21 +1,33 @@
-"""From a model config (configs/models.py) to a GPT2Config and its pre-trained weights."""
+"""From a model config (configs/models.py) to its architecture and pre-trained weights."""
 
 from __future__ import annotations
 
 import ml_collections
 
 from lla.model import hf_io
+from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
 from lla.model import checkpoint as ckpt
 
 
-def gpt2_config(model: ml_collections.ConfigDict) -> GPT2Config:
-  return GPT2Config(vocab_size=model.vocab_size, n_positions=model.n_positions,
-                    n_embd=model.n_embd, n_layer=model.n_layer, n_head=model.n_head,
-                    layer_norm_epsilon=model.layer_norm_epsilon, dtype=model.dtype)
+def architecture(model: ml_collections.ConfigDict) -> GPT2Config | DecoderConfig:
+  """The model's `GPT2Config` (a config without `family`), or for a RoPE family its
+  `DecoderConfig` (no biases, RMSNorm, SwiGLU, default RoPE, head_dim = d / H)."""
+  if model.get("family", "gpt2") == "gpt2":
+    return GPT2Config(vocab_size=model.vocab_size, n_positions=model.n_positions,
+                      n_embd=model.n_embd, n_layer=model.n_layer, n_head=model.n_head,
+                      layer_norm_epsilon=model.layer_norm_epsilon, dtype=model.dtype)
+  if model.n_embd % model.n_head:
+    raise ValueError(f"n_embd={model.n_embd} is not divisible by n_head={model.n_head}")
+  return DecoderConfig(family=model.family, vocab_size=model.vocab_size,
+                       n_positions=model.n_positions, n_embd=model.n_embd,
+                       n_layer=model.n_layer, n_head=model.n_head, n_kv_head=model.n_kv_head,
+                       head_dim=model.n_embd // model.n_head, d_ff=model.d_ff,
+                       norm_eps=model.layer_norm_epsilon, rope_theta=model.rope_theta,
+                       tie_embeddings=model.tie_embeddings, dtype=model.dtype)
 
 
-def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config, dict]:
+def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | DecoderConfig, dict]:
   """Pre-trained weights: (params, cfg, provenance {"source", "params_sha256"}).
 
   Sources in order: `model.checkpoint` (lla, hash-verified), `model.hf_dir`, `model.hub`.
@@ -23,8 +35,8 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config, dict]
   """
   if model.get("gguf") or model.get("gguf_package"):
     raise ValueError(f"model {model.name!r} is a GGUF model: the main job pre-trains and "
-                     "fine-tunes GPT-2 only; run it through experiments/real_weights.py or the "
-                     "capture and replay binaries")
+                     "fine-tunes its own models (GPT-2 and its Llama twin); run it through "
+                     "experiments/real_weights.py or the capture and replay binaries")
   if model.checkpoint:
     restored = ckpt.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"
@@ -36,7 +48,7 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config, dict]
     source = f"hub:{model.hub}"
   else:
     raise ValueError(f"model {model.name!r} names no checkpoint, hf_dir or hub to load from")
-  expected = gpt2_config(model)
+  expected = architecture(model)
   if cfg.replace(dtype=expected.dtype) != expected:
     raise ValueError(f"{source}: architecture {cfg} differs from model config {model.name!r} ({expected})")
   return params, expected, {"source": source, "params_sha256": ckpt.params_sha256(params)}

@@ -20,7 +20,8 @@ import numpy as np
 from absl import logging
 
 from lla import data
-from lla.model.gpt2 import init_params, param_count
+from lla.model.gpt2 import param_count
+from lla.model import split
 from lla.model import checkpoint as ckpt
 from lla.train import loop
 from lla.train import models
@@ -74,7 +75,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   Raises:
     ValueError: the cached checkpoint was made with a different config or exclusion.
   """
-  cfg = models.gpt2_config(config.model)
+  cfg = models.architecture(config.model)
   run_config = json_config(config)
   if train_tokens is None:
     exclude = data.load_splits_from_config(config.data) if exclude is None else exclude
@@ -85,7 +86,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     nonlocal train_tokens, valid_tokens
     if train_tokens is None:
       train_tokens, valid_tokens = load_pretraining_data(config, exclude)
-    params = init_params(cfg, jax.random.key(config.seed))
+    params = split.init_params(cfg, jax.random.key(config.seed))
     logging.info("pretraining %s (%d params) on %s windows for %d steps of %d x %d tokens",
                  config.model.name, param_count(params), train_tokens.shape, config.num_steps,
                  config.batch_size, config.seq_len)
