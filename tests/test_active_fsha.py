@@ -135,6 +135,6 @@ def test_fake_batch_changes_targets_and_skips_the_update(tiny_split):
   assert jax.tree.all(jax.tree.map(jnp.array_equal, new, cstate))
   fake_targets = (tokens + shift) % cfg.vocab_size
   h = split.client(params, cfg, tokens, k)
-  loss = lambda h_: split.next_token_loss(parts.tail_logits(parts.tail_params(params, cfg, k),
+  loss = lambda h_: split.next_token_loss(split.server_logits(parts.tail_params(params, cfg, k),
                                                             cfg, h_, k), fake_targets)
   np.testing.assert_allclose(out["g"], jax.jit(jax.grad(loss))(h), rtol=1e-5, atol=1e-7)

@@ -177,3 +177,15 @@ def test_bad_settings_are_refused():
   assert allocator.parse("mmap_max=0, top_pad=1024") == {"mmap_max": 0, "top_pad": 1024}
   with pytest.raises(ValueError, match="mmap_maximum"):
     allocator.parse("mmap_maximum=0")
+
+
+@pytest.mark.parametrize("env, fact", [
+    ({"LLA_ALLOCATOR": "mallopt"}, "$LLA_ALLOCATOR must be one of ('tuned', 'system'), got "
+                                   "'mallopt'"),
+    ({"LLA_MALLOPT": "mmap_maximum=0"}, "'mmap_maximum=0' is not name=integer")])
+def test_a_bad_setting_stops_import_with_one_line(env, fact):
+  result = subprocess.run([sys.executable, "-c", "import lla"], env={**clean_env(), **env},
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  line, = result.stderr.strip().splitlines()
+  assert line.startswith("lla: ") and fact in line

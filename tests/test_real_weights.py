@@ -39,15 +39,21 @@ def _ids(text: str) -> list[int]:
   return [ALPHABET.index(_SYMBOL[b]) for b in text.encode("utf-8")]
 
 
-def _gguf(path: pathlib.Path, add_bos: bool = False) -> pathlib.Path:
+def tiny_llama() -> transformers.LlamaForCausalLM:
+  """The tiny random Llama (byte-level vocabulary) that `gguf_file` writes: the same weights
+  on every call."""
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=3, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=64,
                                  tie_word_embeddings=True,
                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-  model = transformers.LlamaForCausalLM(cfg).eval()
-  write_gguf(model, "llama", gguf.GGMLQuantizationType.F32, path, tokens=ALPHABET,
+  return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def gguf_file(path: pathlib.Path, add_bos: bool = False) -> pathlib.Path:
+  """`tiny_llama` written to `path` as a float32 GGUF file with the byte-level tokenizer."""
+  write_gguf(tiny_llama(), "llama", gguf.GGMLQuantizationType.F32, path, tokens=ALPHABET,
              add_bos=add_bos)
   return path
 
@@ -76,7 +82,7 @@ def _run(workdir, gguf_path, *extra):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, data_dir):
   root = tmp_path_factory.mktemp("real")
-  path = _gguf(root / "tiny.gguf")
+  path = gguf_file(root / "tiny.gguf")
   proc = _run(root / "out", path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return root, path, proc.stdout
@@ -117,10 +123,15 @@ def test_documents_baseline_and_recovery_from_the_text(finished, data_dir):
       "documents": pinned(docs), "calibration": pinned(calibration)}
 
 
+def text_bytes(ids) -> bytes:
+  """The bytes that byte-level ids stand for."""
+  byte_of = {symbol: b for b, symbol in _SYMBOL.items()}
+  return bytes(byte_of[ALPHABET[i]] for i in ids)
+
+
 def _text(ids) -> str:
   """The UTF-8 text of byte-level ids (a cut multi-byte character reads as U+FFFD)."""
-  byte_of = {symbol: b for b, symbol in _SYMBOL.items()}
-  return bytes(byte_of[ALPHABET[i]] for i in ids).decode("utf-8", errors="replace")
+  return text_bytes(ids).decode("utf-8", errors="replace")
 
 
 def _rouge_l_words(pred: str, truth: str) -> float:
@@ -173,7 +184,7 @@ def test_a_second_run_resumes_and_changes_nothing(finished):
 
 def test_bad_inputs_are_one_line(finished, tmp_path):
   root, _, _ = finished
-  bos = _gguf(tmp_path / "bos.gguf", add_bos=True)
+  bos = gguf_file(tmp_path / "bos.gguf", add_bos=True)
   cases = [(bos, [], ["prepends BOS (id 1)"]),
            (tmp_path / "absent.gguf", [], ["absent.gguf", "does not exist"]),
            (root / "tiny.gguf", ["--config.data.documents=100000"],

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lla.active.parts import client_params, tail_logits
+from lla.active.parts import client_params
 from lla.active.protocol import Backward, Forward
 from lla.model import split
 from lla.train import loop
@@ -127,12 +127,13 @@ def reference_gradient(ref_tail: dict, cfg: split.ModelConfig, h: jax.Array, lab
                        k: int) -> jax.Array:
   """dL/dh [B, T, d] of an honest server whose tail is `ref_tail` (the client's copy of the
   public pre-trained one): the reference-cosine detector's yardstick."""
-  return jax.grad(lambda h_: split.next_token_loss(tail_logits(ref_tail, cfg, h_, k), labels))(h)
+  loss = lambda h_: split.next_token_loss(split.server_logits(ref_tail, cfg, h_, k), labels)
+  return jax.grad(loss)(h)
 
 
 def heldout_ce(own: dict, ref_tail: dict, cfg: split.ModelConfig, tokens: jax.Array,
                k: int) -> jax.Array:
   """The client's trusted task-loss evaluator: mean next-token CE of its current layers
   followed by the public pre-trained tail, on its held-out documents [N, T]."""
-  return split.next_token_loss(tail_logits(ref_tail, cfg, split.client(own, cfg, tokens, k), k),
-                               tokens)
+  h = split.client(own, cfg, tokens, k)
+  return split.next_token_loss(split.server_logits(ref_tail, cfg, h, k), tokens)

@@ -1,4 +1,5 @@
-"""The two parties' shares of one model and the server's forward, used by both sides.
+"""The two parties' shares of one model, used by both sides (the server's forward on its
+share is `lla.model.split.server_logits`).
 
 The client computes with the input table (and GPT-2's wpe) and blocks 0..k-1; the server
 with blocks k..L-1, the final norm and the head (`lla.model.split` names the groups of
@@ -9,8 +10,6 @@ this module is neither party's code: it imports nothing of either.
 """
 
 from __future__ import annotations
-
-import jax
 
 from lla.model import split
 
@@ -24,7 +23,3 @@ def tail_params(params: dict, cfg: split.ModelConfig, k: int) -> dict:
   """The server's share: blocks k..L-1, the final norm and its own copy of the head."""
   return {name: params[name] for name in split.server_layer_names(params, cfg, k)}
 
-
-def tail_logits(tail: dict, cfg: split.ModelConfig, h: jax.Array, k: int) -> jax.Array:
-  """The server's forward: h [B, T, d] -> logits [B, T, V] (blocks k.., final norm, head)."""
-  return split.server_logits(tail, cfg, h, k)

@@ -32,7 +32,6 @@ import ml_collections
 import optax
 
 from lla.active import fsha
-from lla.active.parts import tail_logits
 from lla.active.protocol import Backward, Forward
 from lla.model import split
 from lla.train import loop
@@ -66,7 +65,7 @@ class HonestServer:
     return {"params": tail, "opt": self.optimizer().init(tail)}
 
   def _loss(self, tail: dict, h: jax.Array, oracle) -> jax.Array:
-    return oracle(tail_logits(tail, self.cfg, h, self.cut))
+    return oracle(split.server_logits(tail, self.cfg, h, self.cut))
 
   def respond(self, state: dict, forward: Forward, oracle) -> Backward:
     return Backward(g=jax.grad(self._loss, argnums=1)(state["params"], forward.h, oracle))

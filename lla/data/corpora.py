@@ -72,10 +72,17 @@ def wikitext2_file(data_dir: Path, split: str) -> Path:
 
 
 def encode_documents(tokenizer: tokenizer_lib.Tokenizer, documents: Sequence[str]) -> np.ndarray:
-  """Tokenizes documents line by line, `<|endoftext|>` between them: int32 [n]."""
+  """Tokenizes documents line by line, `<|endoftext|>` between them: int32 [n].
+
+  Raises:
+    ValueError: several documents and a tokenizer without `<|endoftext|>` to separate them.
+  """
+  if len(documents) > 1 and tokenizer.eot_id is None:
+    raise ValueError(f"tokenizer {tokenizer.source} has no {tokenizer_lib.EOT_TOKEN} to put "
+                     f"between this corpus's {len(documents)} documents")
   lines_per_document = [document.splitlines(keepends=True) for document in documents]
   line_ids = iter(tokenizer.encode_batch([line for lines in lines_per_document for line in lines]))
-  separator = np.asarray([tokenizer.eot_id], np.int32)
+  separator = np.asarray([tokenizer.eot_id if len(documents) > 1 else 0], np.int32)
   pieces = []
   for index, lines in enumerate(lines_per_document):
     if index:

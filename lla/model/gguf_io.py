@@ -68,6 +68,8 @@ def packaged_file(package: str) -> str:
 
 
 def _reader(path: pathlib.Path):
+  if not path.is_file():
+    raise GGUFError(f"{path}: GGUF file does not exist")
   try:
     import gguf
   except ImportError:
@@ -135,8 +137,6 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path) -> DecoderConfig:
 def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
   """Reads, dequantises and converts a GGUF file -> (params, cfg, info)."""
   path = pathlib.Path(path)
-  if not path.is_file():
-    raise GGUFError(f"{path}: GGUF file does not exist")
   import gguf
 
   reader = _reader(path)

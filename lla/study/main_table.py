@@ -45,6 +45,7 @@ from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
 from lla.study import qualification as study_qualification
 from lla.train import finetune as finetune_lib
+from lla.train import models
 from lla.train import pretrain as pretrain_lib
 from lla.model.checkpoint import params_sha256
 
@@ -96,9 +97,11 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
 
 def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits):
   """((params, cfg, provenance), source) of the base: pre-trained here (never on this job's
-  training or evaluation passages, `splits`), or loaded (paper)."""
-  from lla.train import models
+  training or evaluation passages, `splits`), or loaded (paper, a GGUF file)."""
   model = config.model
+  gguf = models.gguf_path(model)
+  if gguf:
+    return models.load_base(model), {"gguf": gguf}
   if not (model.hf_dir or model.hub or model.checkpoint):
     checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain", exclude=splits)
     model = ml_collections.ConfigDict(model.to_dict())
@@ -223,13 +226,16 @@ def flop_frontier(config, workdir: pathlib.Path, targets: list[Target],
   driver.run(sweep, str(workdir / FRONTIER))
 
 
-def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source) -> None:
-  """Ridge inversion alone on each corpus, k = corpus_study.cut, the base model."""
+def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_source,
+                 tokenizer) -> None:
+  """Ridge inversion alone on each corpus (cut by `tokenizer`), k = corpus_study.cut, the
+  base model."""
   params, cfg, provenance = base
   cut = int(config.corpus_study.cut)
   for corpus in tqdm(config.corpus_study.corpora, desc="corpus study", unit="corpus"):
     splits = data.load_splits(**{**config.data.to_dict(), "corpus": corpus,
-                                 "n_eval": int(config.corpus_study.n_eval)})
+                                 "n_eval": int(config.corpus_study.n_eval)},
+                              tokenizer=tokenizer)
     directory = workdir / CAPTURES / f"corpus_{corpus}_k{cut}"
     hashes = {n: p.sha256 for n, p in splits.items()}
     store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
@@ -313,9 +319,13 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
     return report.render(config, workdir)
 
   registry.load_plugins(config.plugins)
+  # The model's own tokenizer (a GGUF file's) cuts the same text into its own passages;
+  # None: GPT-2's, which the models pre-trained here use. Read before anything is written,
+  # so that a file lla cannot read or a BOS policy it does not implement costs nothing.
+  tokenizer = models.tokenizer(config.model)
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
-  splits = data.load_splits(**config.data.to_dict())
+  splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
   base, base_source = base_model(config, workdir, splits)
   _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
@@ -325,6 +335,10 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
                                            "policy_sha256": policy.sha256},
                                      "config": config_json})
     replay.record_threat_space(str(study))
+  if tokenizer is not None:
+    # Scoring decodes text (ROUGE-L) with it; pinned in the study, a rescore needs nothing
+    # else (without one, scoring pins the data directory's GPT-2 tokenizer).
+    scorecard.pin_tokenizer(str(study), tokenizer)
   _phase(workdir, "captures")
   captures = capture_targets(config, workdir, targets, splits)
   _phase(workdir, "attacks")
@@ -334,7 +348,7 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   _phase(workdir, "FLOP-matched frontier")
   flop_frontier(config, workdir, targets, base_source)
   _phase(workdir, "corpus study")
-  corpus_study(config, workdir, study, base, base_source)
+  corpus_study(config, workdir, study, base, base_source, tokenizer)
   _phase(workdir, "defenses")
   defense_sweep.run(config, workdir, workdir / CAPTURES, study, targets, splits, base)
   _phase(workdir, "decoy-row training split")

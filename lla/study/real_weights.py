@@ -22,7 +22,7 @@ hundreds.
              else.
 
 A model whose tokenizer prepends BOS is refused (position 0 would be known: issue 20's BOS
-policy is not implemented in this cell).
+policy is not implemented; lla.train.models.tokenizer).
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ from lla.capture import capture as capture_lib
 from lla.capture import store
 from lla.data import corpora, paths
 from lla.data import passages as passages_lib
-from lla.data import tokenizer as tokenizer_lib
 from lla.evidence import files, rundir
-from lla.model import gguf_io
 from lla.model.loading import load_model
 from lla.replay import driver as replay
 from lla.scoring import scorecard
+from lla.train import models
 
 CAPTURE = "capture"
 RUN = "run"
@@ -50,8 +49,8 @@ CONFIG = "config.json"
 
 
 class RealWeightsError(ValueError):
-  """An input of the cell that cannot be used (a BOS tokenizer, too few paragraphs); one
-  line naming it."""
+  """An input of the cell that cannot be used (too few paragraphs, another config in the
+  workdir); one line naming it."""
 
 
 def paragraphs(data_dir: str | None, split: str, min_chars: int) -> list[str]:
@@ -94,16 +93,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise RealWeightsError(f"{run_dir}: finished run fails verification: " + "; ".join(problems))
     return files.read_json(card_file)
 
-  path = config.model.gguf or gguf_io.packaged_file(config.model.gguf_package)
+  path = models.gguf_path(config.model)
+  tokenizer = models.tokenizer(config.model)  # Refuses a BOS policy before any load.
   model = load_model(ml_collections.ConfigDict({"gguf": path}))
-  tokenizer, bos = gguf_io.gguf_tokenizer(path)
-  if bos["add_bos_token"]:
-    raise RealWeightsError(f"{path}: its tokenizer prepends BOS (id {bos['bos_token_id']}); "
-                           "this cell scores every position and supports no BOS yet")
   d = config.data
-  documents, doc_index = passages(paragraphs(d.data_dir, "test", d.min_chars), tokenizer,
-                                  d.documents, d.seq_len, d.seed, "documents (test split)")
-  calibration, _ = passages(paragraphs(d.data_dir, "train", d.min_chars), tokenizer,
+  documents, doc_index = passages(paragraphs(d.data_dir, "test", d.min_chars),
+                                  tokenizer.backend, d.documents, d.seq_len, d.seed,
+                                  "documents (test split)")
+  calibration, _ = passages(paragraphs(d.data_dir, "train", d.min_chars), tokenizer.backend,
                             d.calibration, d.seq_len, d.seed + 1, "calibration (train split)")
   # Every input checked: from here on the workdir is written.
   os.makedirs(workdir, exist_ok=True)
@@ -111,7 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     files.atomic_write_json(config_file, wanted)
   capture_dir = os.path.join(workdir, CAPTURE)
   # The corpus as this tokenizer cuts it: its frequency baseline is this tokenizer's own.
-  corpus = f"wikitext-2/tokenizer-{files.sha256_bytes(tokenizer.to_str().encode())[:12]}"
+  corpus = f"wikitext-2/tokenizer-{files.sha256_bytes(tokenizer.backend.to_str().encode())[:12]}"
   split_hashes = {"documents": passages_lib.token_sha256(documents),
                   "calibration": passages_lib.token_sha256(calibration)}
 
@@ -132,5 +129,5 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     replay.replay(run_dir, capture_dir, attacker, list(config.attacks),
                   config.budget.to_dict(), config.seed)
     if config.scoring.text_rouge:
-      scorecard.pin_tokenizer(run_dir, tokenizer_lib.wrap(tokenizer, f"{path} (GGUF)"))
+      scorecard.pin_tokenizer(run_dir, tokenizer)
     return scorecard.score_run(run_dir, config.scoring, overwrite=os.path.exists(card_file))

@@ -32,7 +32,7 @@ def _pp(x) -> str:
   return "—" if x is None else f"{x:+.2f}"
 
 
-def _main_rows(card: dict) -> list[tuple[dict, str, dict]]:
+def main_rows(card: dict) -> list[tuple[dict, str, dict]]:
   """(config, attack, pooled metrics) of the undefended WikiText-2 settings."""
   rows = []
   for group in card["undefended"]:
@@ -45,7 +45,7 @@ def _main_rows(card: dict) -> list[tuple[dict, str, dict]]:
 def main_table(card: dict) -> list[str]:
   lines = ["| k | knowledge | attack | token rec. | exact doc | baseline p0 | n | U95 | "
            "excess pp | seed figure (GPT-2 124M) |", "|" + "---|" * 10]
-  for config, attack, m in _main_rows(card):
+  for config, attack, m in main_rows(card):
     seed = seed_figures.TOKEN_RECOVERY.get(attack) if (
         config["cut"] == 6 and config["knowledge"] == "public") else None
     lines.append(
@@ -165,7 +165,7 @@ def contrasts(card: dict) -> list[str]:
 def recovery_figure(card: dict, path: pathlib.Path) -> None:
   """Exact-document against token recovery, one point per (setting, attack)."""
   fig, ax = plt.subplots(figsize=(6, 4.5))
-  for config, attack, m in _main_rows(card):
+  for config, attack, m in main_rows(card):
     ax.scatter(100 * m["token_recovery"], 100 * m["exact_doc_recovery"], s=18)
     ax.annotate(f"{attack} k{config['cut']} {config['knowledge'][0]}",
                 (100 * m["token_recovery"], 100 * m["exact_doc_recovery"]), fontsize=6)
@@ -311,6 +311,14 @@ def flop_frontier_section(config, workdir: pathlib.Path, out: pathlib.Path) -> l
           "per cell.)"]
 
 
+def _weights_note(model) -> str:
+  """Where a published model's weights came from, when they are not an lla checkpoint."""
+  if model.get("gguf") or model.get("gguf_package"):
+    return (f" (GGUF file {model.get('gguf') or 'of the package ' + model.gguf_package}, "
+            "dequantised to float32; its own tokenizer)")
+  return f" (hf_dir {model.hf_dir})" if model.get("hf_dir") else ""
+
+
 def seal_line(study: pathlib.Path) -> str:
   """The study's seal hash (lla.evidence.rundir.anchor): what to publish beside the report,
   and the command that checks the study against it."""
@@ -343,7 +351,8 @@ def render(config, workdir) -> pathlib.Path:
       f"# lla main table ({config.variant})", "",
       f"**Unmeasured share of the declared threat space: {100 * card['unmeasured_share']:.1f}%** "
       "(coverage report below).", "",
-      f"Target: {config.model.name}, (k, knowledge) {[tuple(s) for s in config.settings]}, "
+      f"Target: {config.model.name}{_weights_note(config.model)}, (k, knowledge) "
+      f"{[tuple(s) for s in config.settings]}, "
       f"{config.finetune.num_models} "
       f"fine-tuned models, {config.data.n_eval} evaluation documents of T = {config.data.seq_len}. "
       f"Scorecard `{card['e_hash'][:16]}`; wall time "
@@ -351,7 +360,7 @@ def render(config, workdir) -> pathlib.Path:
       f"invocation(s) (each interruption and resume adds one).", "",
       seal_line(workdir / "study"), "",
       "## Main table (pooled over models and attack seeds)", "", *main_table(card), "",
-      seed_figures.WHY_DIFFERENT, "",
+      seed_figures.why_different(config.model), "",
       f"## Every attack at the primary setting (k = {config.primary_cut}, undefended)", "",
       "Token accuracy and exact documents are PROTOCOL section 5's; ROUGE-L and token-set F1 "
       "are the published attacks' own metrics (lla.scoring.similarity), computed from the same "

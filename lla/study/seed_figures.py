@@ -21,11 +21,26 @@ CORPUS_STUDY = {
 TUNED_BISR = 0.9321
 SECRET_MIXUP_EXACT_DOC_MAX = 0.0148  # at +26.9-31.8% perplexity
 
-WHY_DIFFERENT = (
-    "Why our numbers may differ from the seed's: the seed attacked GPT-2 124M (d = 768, 12 "
-    "layers, pre-trained on WebText); the CPU default attacks a small GPT-2 (d = 128, 8 layers) "
-    "pre-trained here for minutes on WikiText-2, whose residual stream and embeddings differ, "
-    "with fewer models and documents.")
+def why_different(model) -> str:
+  """Why this job's figures may differ from the seed's: its model (`model`, a
+  configs/models.py config) against the seed's GPT-2 124M."""
+  if model.get("gguf") or model.get("gguf_package"):
+    what = (f"{model.name}, published weights read from a GGUF file (its own architecture and "
+            "tokenizer), fine-tuned here briefly")
+  elif model.name == "gpt2_124m":
+    return ("The seed attacked GPT-2 124M, as this job does (from "
+            f"{model.get('hf_dir') or model.get('hub')}); figures may still differ through "
+            "the documents drawn, the fine-tuning and the budgets.")
+  elif model.get("hf_dir") or model.get("hub"):
+    what = f"{model.name}, loaded from {model.get('hf_dir') or model.get('hub')}"
+  else:
+    family = "GPT-2" if model.get("family", "gpt2") == "gpt2" else f"{model.family}-family"
+    what = (f"a small {family} model (d = {model.n_embd}, {model.n_layer} layers) pre-trained "
+            "here for minutes on WikiText-2")
+  return ("Why our numbers may differ from the seed's: the seed attacked GPT-2 124M (d = 768, "
+          f"12 layers, pre-trained on WebText); this job attacks {what}, whose residual stream "
+          "and embeddings differ, with fewer models and documents.")
+
 
 # Published figures of the published attacks, for the report's table beside ours. Each is
 # (value, metric, setting, source); the settings differ from lla's (model, split, data,

@@ -27,16 +27,30 @@ def architecture(model: ml_collections.ConfigDict) -> GPT2Config | DecoderConfig
                        tie_embeddings=model.tie_embeddings, dtype=model.dtype)
 
 
+def gguf_path(model: ml_collections.ConfigDict) -> str:
+  """The GGUF file a model config names (`gguf`, else the one inside `gguf_package`), or ""."""
+  if model.get("gguf"):
+    return model.gguf
+  if model.get("gguf_package"):
+    from lla.model import gguf_io  # the optional `gguf` package, imported only when used
+    return gguf_io.packaged_file(model.gguf_package)
+  return ""
+
+
 def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | DecoderConfig, dict]:
   """Pre-trained weights: (params, cfg, provenance {"source", "params_sha256"}).
 
-  Sources in order: `model.checkpoint` (lla, hash-verified), `model.hf_dir`, `model.hub`.
-  Raises ValueError if the loaded architecture is not the configured one (a wrong path).
+  Sources in order: a GGUF file (`model.gguf` or `model.gguf_package`; its architecture is
+  the file's own, dequantised to float32, provenance also records `lla.model.loading`'s
+  info), `model.checkpoint` (lla, hash-verified), `model.hf_dir`, `model.hub`.
+  Raises ValueError if a non-GGUF architecture is not the configured one (a wrong path).
   """
-  if model.get("gguf") or model.get("gguf_package"):
-    raise ValueError(f"model {model.name!r} is a GGUF model: the main job pre-trains and "
-                     "fine-tunes its own models (GPT-2 and its Llama twin); run it through "
-                     "experiments/real_weights.py or the capture and replay binaries")
+  path = gguf_path(model)
+  if path:
+    from lla.model.loading import load_model  # pylint: disable=g-import-not-at-top
+    loaded = load_model(ml_collections.ConfigDict({"gguf": path}))
+    return loaded.params, loaded.cfg, {"source": loaded.source, "params_sha256": loaded.model_id,
+                                       "model": loaded.info}
   if model.checkpoint:
     restored = ckpt.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"
@@ -52,3 +66,28 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | Deco
   if cfg.replace(dtype=expected.dtype) != expected:
     raise ValueError(f"{source}: architecture {cfg} differs from model config {model.name!r} ({expected})")
   return params, expected, {"source": source, "params_sha256": ckpt.params_sha256(params)}
+
+
+class TokenizerPolicyError(ValueError):
+  """A model whose tokenizer policy the job does not implement (one line naming it)."""
+
+
+def tokenizer(model: ml_collections.ConfigDict):
+  """The model's own tokenizer (`lla.data.Tokenizer`) when it brings one (a GGUF file's), else
+  None: the data directory's GPT-2 tokenizer, which every other model here uses.
+
+  Raises:
+    TokenizerPolicyError: the tokenizer prepends BOS. Position 0 would then be known to the
+      attacker and must be excluded from scoring (issue 20's BOS policy), which the job does
+      not implement yet; scoring it as a recovered token would inflate every figure.
+  """
+  path = gguf_path(model)
+  if not path:
+    return None
+  from lla.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from lla.model import gguf_io  # pylint: disable=g-import-not-at-top
+  backend, bos = gguf_io.gguf_tokenizer(path)
+  if bos["add_bos_token"]:
+    raise TokenizerPolicyError(f"{path}: its tokenizer prepends BOS (id {bos['bos_token_id']}); "
+                               "the job scores every position and supports no BOS yet")
+  return tokenizer_lib.wrap(backend, f"{path} (GGUF)")

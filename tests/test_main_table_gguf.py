@@ -1,0 +1,176 @@
+"""The main job on a model that brings its own weights and tokenizer: a GGUF file.
+
+The tiny random Llama of test_real_weights (a byte-level vocabulary of 256 ids, written as a
+float32 GGUF file) is the base of `configs/main_table.py:tiny` through `--config.model.gguf`,
+with the phases that do not depend on where the base comes from turned off. Checked against
+what the file and the text say, not against lla: no pre-training ran; every evaluation and
+calibration passage is a run of WikiText-2 bytes (the model's own tokens, where GPT-2's ids
+would not even fit its vocabulary); the public target's captured h is transformers' hidden
+state of the model written to the file; the trained-knowledge attacker reloads the GGUF, and
+every prediction regenerates bit for bit from the study.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+from safetensors.numpy import load_file
+
+from configs import main_table as main_table_config
+from lla.evidence import rundir
+from lla.replay import regenerate
+from lla.study import bridge
+from lla.study import main_table
+from test_real_weights import ALPHABET, gguf_file, text_bytes, tiny_llama
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Off: phases whose inputs are the same whatever the base (tests/test_e2e_main_table.py runs
+# them); the corpus study also needs an end-of-text token the byte vocabulary lacks.
+FAST = {"published.attacks": (), "defenses": (), "corpus_study.corpora": (),
+        "frontier.enabled": False, "active.enabled": False,
+        # The decoy split keeps its own random model; one short seed, no dose response.
+        "decoy.protocol.steps": 64, "decoy.train.chunk": 64, "decoy.probe.steps": 20,
+        "decoy.calibration.seeds": 0}
+
+
+def _config(path: pathlib.Path):
+  config = main_table_config.get_config("tiny")
+  config.model.gguf = str(path)
+  for field, value in FAST.items():
+    *parents, leaf = field.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, data_dir, monkeypatch_module):
+  monkeypatch_module.setenv("LLA_DATA_DIR", str(data_dir))
+  monkeypatch_module.setenv("LLA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+  root = tmp_path_factory.mktemp("gguf_job")
+  path = gguf_file(root / "tiny.gguf")
+  config = _config(path)
+  report = main_table.run(config, str(root / "work"))
+  return config, path, root / "work", report
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+  with pytest.MonkeyPatch.context() as mp:
+    yield mp
+
+
+def test_no_pretraining_and_the_report_names_the_file(job):
+  config, path, work, report = job
+  assert not (work / "pretrain").exists()
+  text = report.read_text()
+  assert f"GGUF file {path}" in text
+  assert "this job attacks tiny, published weights read from a GGUF file" in text
+  study = str(work / main_table.STUDY)
+  assert rundir.verify(study) == []
+  manifests = sorted((work / "finetune").glob("k*/models.json"))
+  assert [m.parent.name for m in manifests] == ["k2_public", "k2_trained"]
+  for manifest in manifests:
+    for entry in json.loads(manifest.read_text()):
+      assert json.loads((pathlib.Path(entry["path"]) / "metadata.json").read_text())[
+          "base"]["source"] == f"gguf:{path}"
+
+
+def test_passages_are_the_models_own_tokens(job, data_dir):
+  """Each evaluation document and calibration passage decodes byte by byte to a run of the
+  WikiText-2 text of its split; the study pins the byte-level tokenizer."""
+  _, _, work, _ = job
+  text = {split: (data_dir / "wikitext-2" / f"{split}.txt").read_bytes()
+          for split in ("test", "train")}
+  truth = load_file(str(work / main_table.CAPTURES / "k2_public_m0" / "truth.safetensors"))
+  documents = truth["tokens"]
+  assert documents.shape == (48, 32) and documents.max() < 256
+  for row in documents:
+    assert text_bytes(row) in text["test"]
+  calibration, = (work / main_table.STUDY / "inputs").glob("calibration_*.npy")
+  passages = np.load(calibration)
+  assert passages.shape == (16, 32)
+  for row in passages:
+    assert text_bytes(row) in text["train"]
+  pinned = tokenizers.Tokenizer.from_file(str(work / main_table.STUDY / "inputs" /
+                                              "tokenizer.json"))
+  assert pinned.get_vocab() == {symbol: i for i, symbol in enumerate(ALPHABET)}
+
+
+def test_public_capture_is_the_files_model(job):
+  """Public knowledge freezes the client layers, so the target's h at k = 2 is the hidden
+  state after 2 blocks of the model written to the file (transformers, float32); the
+  trained target's client moved away from it."""
+  _, _, work, _ = job
+  captures = work / main_table.CAPTURES
+  tokens = load_file(str(captures / "k2_public_m0" / "truth.safetensors"))["tokens"]
+  with torch.no_grad():
+    out = tiny_llama()(torch.as_tensor(tokens.astype(np.int64)), output_hidden_states=True)
+  expected = out.hidden_states[2].numpy()
+  scale = np.abs(expected).max()
+  for seed in range(3):
+    h = load_file(str(captures / f"k2_public_m{seed}" / "messages.safetensors"))["activations"]
+    assert np.abs(h - expected).max() / scale < 1e-5
+  trained = load_file(str(captures / "k2_trained_m0" / "messages.safetensors"))["activations"]
+  assert np.abs(trained - expected).max() / scale > 1e-3
+
+
+def test_trained_knowledge_attacker_reloads_the_file(job):
+  """The trained-knowledge attacker holds the base, located as the GGUF file; regenerating
+  every prediction (the attacker reloaded from the pinned locations) reproduces each."""
+  _, path, work, _ = job
+  study = str(work / main_table.STUDY)
+  records = rundir.load_records(study)
+  trained = [r for r in records if r.run_id.startswith("k2_trained")]
+  assert len(trained) == 12  # 4 secondary attacks x 3 models
+  for record in trained:
+    pinned = json.loads((work / main_table.STUDY / "inputs" / f"{record.e_hash}.json")
+                        .read_text())
+    assert pinned["attacker_source"] == {"gguf": str(path)}
+  result = regenerate.check(study)
+  assert result.problems == []
+  # The decoy split's records come from its own driver and model, not this base.
+  assert sorted(result.regenerated) == sorted(
+      r.run_id for r in records if r.status == "ok" and not r.attack.startswith("decoy_"))
+  assert len(result.regenerated) == 36  # (8 primary + 4 secondary attacks) x 3 models
+
+
+def test_a_bos_tokenizer_is_refused_before_anything_is_written(tmp_path, data_dir):
+  path = gguf_file(tmp_path / "bos.gguf", add_bos=True)
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
+       f"--config.model.gguf={path}", f"--workdir={tmp_path / 'work'}"],
+      capture_output=True, text=True, cwd=REPO, timeout=600,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", LLA_DATA_DIR=str(data_dir)))
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  line, = proc.stderr.strip().splitlines()
+  assert "prepends BOS (id 1)" in line and str(path) in line
+  assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
+
+
+def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_path):
+  _, _, work, report = job
+  column = bridge.read(work)
+  assert (column.model, column.variant, column.n_eval, column.num_models) == ("tiny", "tiny",
+                                                                              48, 3)
+  assert f"Seal: `{column.seal}`" in report.read_text()
+  activation = bridge.recoveries(column)[(2, "public", "activation")]
+  card = json.loads((work / main_table.STUDY / "scorecard.json").read_text())
+  assert activation == card["undefended"][0]["pooled"]["activation"]
+  copy = tmp_path / "copy"
+  shutil.copytree(work / main_table.STUDY, copy / main_table.STUDY)
+  scorecard = copy / main_table.STUDY / "scorecard.json"
+  tampered = json.loads(scorecard.read_text())
+  tampered["undefended"][0]["pooled"]["activation"]["token_recovery"] /= 2
+  scorecard.write_text(json.dumps(tampered))
+  with pytest.raises(bridge.BridgeError, match="fails verification"):
+    bridge.read(copy)
