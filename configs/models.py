@@ -25,13 +25,22 @@ a Hugging Face hub name.
              it (capture, replay, experiments/real_weights.py, the main job's `cpu_smollm2`)
              reads the file's own architecture and tokenizer; the fields below describe it.
 
+  llama32_1b, qwen3_0_6b
+             a Llama-3.2-1B- and a Qwen3-0.6B-class model (the `paper_llama32` and
+             `paper_qwen3` main jobs, for an accelerator): published weights only, read from a
+             `save_pretrained` directory (--config.model.hf_dir=DIR, config.json and
+             tokenizer.json included; no hub here), whose config.json is the architecture (the
+             fields below describe the published model: Llama-3.2-1B 16 layers, d 2048, 32 / 8
+             heads, llama3 RoPE scaling, BOS `<|begin_of_text|>`; Qwen3-0.6B 28 layers, d 1024,
+             16 / 8 heads of width 128, q/k-norm, no BOS). lla does not pre-train them.
 `gguf` (a GGUF file) or `gguf_package` (an installed package holding one) comes first in the
 load order of lla.model.loading.load_model, the capture and replay binaries' loader.
 """
 
 import ml_collections
 
-NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m", "embedded_llama", "tiny_llama")
+NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m", "embedded_llama", "tiny_llama",
+         "llama32_1b", "qwen3_0_6b")
 
 _ARCHITECTURES = {
     "embedded": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
@@ -40,7 +49,12 @@ _ARCHITECTURES = {
     "smollm2_135m": dict(n_layer=30, n_embd=576, n_head=9, n_positions=8192),
     "embedded_llama": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
     "tiny_llama": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
+    "llama32_1b": dict(n_layer=16, n_embd=2048, n_head=32, n_positions=131072),
+    "qwen3_0_6b": dict(n_layer=28, n_embd=1024, n_head=16, n_positions=40960),
 }
+_VOCAB = {"smollm2_135m": 49152, "llama32_1b": 128256, "qwen3_0_6b": 151936}
+# Published weights only: lla does not pre-train these, a directory must hold them.
+_WEIGHTS_REQUIRED = ("llama32_1b", "qwen3_0_6b")
 # The fields that say what the model is (the rest say where its weights are).
 ARCHITECTURE = ("name", "family", "vocab_size", "n_layer", "n_embd", "n_head", "n_positions",
                 "layer_norm_epsilon", "dtype", "n_kv_head", "d_ff", "rope_theta",
@@ -50,6 +64,8 @@ _ROPE = {
     "smollm2_135m": dict(n_kv_head=3, d_ff=1536, rope_theta=1e5),
     "embedded_llama": dict(n_kv_head=4, d_ff=344, rope_theta=1e4),
     "tiny_llama": dict(n_kv_head=1, d_ff=88, rope_theta=1e4),
+    "llama32_1b": dict(n_kv_head=8, d_ff=8192, rope_theta=5e5),
+    "qwen3_0_6b": dict(n_kv_head=8, d_ff=3072, rope_theta=1e6),
 }
 
 
@@ -59,8 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"unknown model {name!r}; expected one of {NAMES}")
   config = ml_collections.ConfigDict()
   config.name = name  # Recorded in every checkpoint's metadata.
-  # GPT-2's tokenizer, for every model but SmolLM2 (its own, from the GGUF file).
-  config.vocab_size = 49152 if name == "smollm2_135m" else 50257
+  # GPT-2's tokenizer, for every model pre-trained here; a published model's own otherwise.
+  config.vocab_size = _VOCAB.get(name, 50257)
   config.n_layer = _ARCHITECTURES[name]["n_layer"]  # Blocks; a cut k needs 1 <= k < n_layer.
   config.n_embd = _ARCHITECTURES[name]["n_embd"]  # d, the width of the boundary messages.
   config.n_head = _ARCHITECTURES[name]["n_head"]  # Attention heads; n_embd % n_head == 0.
@@ -69,13 +85,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if name in _ROPE:
     # A RoPE family of lla.model.decoder (a GPT-2 model has none of these fields, so its
     # config and every hash of it are what they were before the families).
-    config.family = "llama"  # RMSNorm, SwiGLU, RoPE, no biases.
+    # RMSNorm, SwiGLU, RoPE, no biases (Qwen3: q/k-norm too, from its config.json).
+    config.family = "qwen3" if name == "qwen3_0_6b" else "llama"
     # Key/value heads: n_head % n_kv_head == 0; fewer is grouped-query attention.
     config.n_kv_head = _ROPE[name]["n_kv_head"]
     config.d_ff = _ROPE[name]["d_ff"]  # The SwiGLU MLP's hidden width.
     config.rope_theta = _ROPE[name]["rope_theta"]  # RoPE's base.
     config.tie_embeddings = True  # The output head is the input table.
   config.dtype = "float32"  # Matmul compute dtype; PROTOCOL.md section 4 pins float32.
+  if name in _WEIGHTS_REQUIRED:
+    # Refused in one line when no hf_dir (or GGUF file) names its weights: not pre-trained.
+    config.weights_required = True
   # Pre-trained weights (see the module docstring); all empty = random init (pretraining).
   config.checkpoint = "runs/pretrain_embedded/checkpoint" if name == "embedded" else ""
   config.hf_dir = ""

@@ -30,9 +30,11 @@ from lla.train import models
 # another model, secret or config): one line naming what differs, no traceback.
 # A --workdir another writer holds: one line naming the holder. A --workdir whose study
 # another config or binary started, or that fails verification: one line saying so. A GGUF
-# model that cannot be read, or whose tokenizer prepends BOS: one line, before any write.
+# model that cannot be read, a tokenizer whose BOS policy the job cannot follow, a published
+# model whose weights no directory names: one line, before any write.
 _REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError,
-             main_table.WorkdirMismatch, gguf_io.GGUFError, models.TokenizerPolicyError)
+             main_table.WorkdirMismatch, gguf_io.GGUFError, models.TokenizerPolicyError,
+             models.MissingWeightsError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

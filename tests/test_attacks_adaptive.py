@@ -246,7 +246,7 @@ def test_mixup_adaptive_recovers_the_texts(case, undefended, m):
   assert recovered >= 0.9 * undefended and recovered >= blind + 0.2, (recovered, blind,
                                                                        result.details)
   assert result.details["rows_unmixed"] == B
-  assert result.details["position0_residual_median"] < 1e-5  # exact pursuit at t = 0
+  assert result.details["first_row_residual_median"] < 1e-5  # exact pursuit at t = 0
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_defended_matrix(family):
       np.testing.assert_array_equal(adaptive, tokens, err_msg=f"{name} {defense_name}")
     if defense_name == "mixup":  # every row's documents linked and unmixed
       details = next(r.details for r in records if r.attack == "mixup_adaptive")
-      assert details["rows_unmixed"] == B and details["position0_residual_median"] < 1e-5
+      assert details["rows_unmixed"] == B and details["first_row_residual_median"] < 1e-5
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"], indirect=True)

@@ -327,3 +327,24 @@ def test_budget_items_are_typed_by_their_declarations():
     budget_lib.parse_items(["no_such_field=1"])
   with pytest.raises(budget_lib.BudgetError, match="ridge_alpha"):
     budget_lib.parse_items(["ridge_alpha=-1"])
+
+
+def test_position0_is_calibrated_on_its_own(case):
+  """Position 0 (the attention sink, whose row carries the massive activations) has a
+  tolerance of its own: the factor times its largest discrepancy, the other positions' from
+  theirs, each at least float32's epsilon; and the attack reports both."""
+  eps = float(np.finfo(np.float32).eps)
+  calibration = sipit.Calibration.of([3e-4, 1e-8, 2e-6, 5e-7], 100.0, None)
+  assert (calibration.first_discrepancy, calibration.discrepancy) == (3e-4, 2e-6)
+  assert calibration.first_tolerance == pytest.approx(3e-2)
+  assert calibration.tolerance == pytest.approx(2e-4)
+  np.testing.assert_allclose(calibration.at([0, 1, 3]), [3e-2, 2e-4, 2e-4])
+  tight = sipit.Calibration.of([0.0, 1e-9], 100.0, None)
+  assert tight.first_tolerance == tight.tolerance == pytest.approx(100 * eps)
+  alone = sipit.Calibration.of([4e-7], 10.0, None)
+  assert alone.tolerance == alone.first_tolerance == pytest.approx(4e-6)
+  result, _ = run(case)
+  details = result.details
+  assert 0 <= details["calibration_discrepancy_position0"] < details["tolerance_position0"]
+  assert details["tolerance_position0"] == pytest.approx(
+      100.0 * max(details["calibration_discrepancy_position0"], eps))

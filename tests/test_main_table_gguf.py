@@ -26,6 +26,7 @@ from safetensors.numpy import load_file
 from configs import main_table as main_table_config
 from lla.evidence import rundir
 from lla.replay import regenerate
+from lla.scoring import scorecard
 from lla.study import bridge
 from lla.study import main_table
 from test_real_weights import ALPHABET, gguf_file, text_bytes, tiny_llama
@@ -61,6 +62,17 @@ def job(tmp_path_factory, data_dir, monkeypatch_module):
   config = _config(path)
   report = main_table.run(config, str(root / "work"))
   return config, path, root / "work", report
+
+
+@pytest.fixture(scope="module")
+def bos_job(tmp_path_factory, data_dir, monkeypatch_module):
+  """The same job on the same weights, written with a tokenizer that prepends BOS."""
+  monkeypatch_module.setenv("LLA_DATA_DIR", str(data_dir))
+  monkeypatch_module.setenv("LLA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+  root = tmp_path_factory.mktemp("gguf_bos_job")
+  path = gguf_file(root / "bos.gguf", add_bos=True)
+  main_table.run(_config(path), str(root / "work"))
+  return root / "work"
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +156,10 @@ def test_trained_knowledge_attacker_reloads_the_file(job):
   assert len(result.regenerated) == 36  # (8 primary + 4 secondary attacks) x 3 models
 
 
-def test_a_bos_tokenizer_is_refused_before_anything_is_written(tmp_path, data_dir):
+def test_a_bos_with_the_frontier_or_active_tier_is_refused_before_any_write(tmp_path,
+                                                                            data_dir):
+  # Both phases capture their own documents and do not place a BOS yet (tests/test_bos.py
+  # runs the capture, the attacks and the scoring with one).
   path = gguf_file(tmp_path / "bos.gguf", add_bos=True)
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
@@ -153,7 +168,7 @@ def test_a_bos_tokenizer_is_refused_before_anything_is_written(tmp_path, data_di
       env=dict(os.environ, JAX_PLATFORMS="cpu", LLA_DATA_DIR=str(data_dir)))
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   line, = proc.stderr.strip().splitlines()
-  assert "prepends BOS (id 1)" in line and str(path) in line
+  assert "prepends BOS" in line and "frontier.enabled=False" in line and str(path) in line
   assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
 
 
@@ -174,3 +189,37 @@ def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_
   scorecard.write_text(json.dumps(tampered))
   with pytest.raises(bridge.BridgeError, match="fails verification"):
     bridge.read(copy)
+
+
+def test_with_a_bos_every_document_starts_with_it_and_no_attack_is_scored_there(bos_job,
+                                                                               data_dir):
+  """Documents are the BOS and 31 bytes of the test text; every record is scored after it;
+  the paired difference the primary test bootstraps is, per model and document, the joint
+  minus activation hits over positions 1..31 of the stored predictions, in pp of 31
+  positions; every prediction regenerates (the attacker reloads the known prefix too)."""
+  study = bos_job / main_table.STUDY
+  assert rundir.verify(str(study)) == []
+  text = (data_dir / "wikitext-2" / "test.txt").read_bytes()
+  truth = load_file(str(bos_job / main_table.CAPTURES / "k2_public_m0" / "truth.safetensors"))
+  documents = truth["tokens"]
+  assert documents.shape == (48, 32) and (documents[:, 0] == 1).all()
+  for row in documents:
+    assert text_bytes(row[1:]) in text
+  records = [r for r in rundir.load_records(str(study)) if not r.attack.startswith("decoy_")]
+  assert records and {r.scored_positions for r in records} == {"after_bos"}
+  hits = {}
+  for r in records:
+    if (r.cut, r.knowledge, r.defense) == (2, "public", "none"):
+      pred = np.load(rundir.resolve(str(study), r.prediction_file))
+      hits[r.attack, r.model_seed] = (pred[:, 1:] == documents[:, 1:]).sum(1)
+  seeds = sorted({m for _, m in hits})
+  assert len(seeds) == 3
+  expected = np.stack([hits["joint", m] - hits["activation", m] for m in seeds])
+  scored, per_doc, _ = scorecard.score_records(str(study), rundir.load_records(str(study)))
+  d, scale = scorecard.difference_matrix(scored, per_doc, "joint", "activation", 2, "public",
+                                         "wikitext2")
+  np.testing.assert_array_equal(d, expected)
+  assert scale == pytest.approx(100 / 31)
+  card = json.loads((study / "scorecard.json").read_text())
+  assert card["undefended"][0]["pooled"]["activation"]["n"] == 3 * 48 * 31
+  assert regenerate.check(str(study)).problems == []

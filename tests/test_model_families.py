@@ -308,3 +308,60 @@ def test_the_llama_twin_has_its_gpt2s_shape_and_size():
   for part in (config.model, config.pretrain.model, config.finetune.model, config.active.model,
                config.frontier.sweep.cell.target):
     assert models.architecture(part) == twin
+
+
+def _tokenizer_json(path, template: str | None):
+  """A word-level tokenizer over the family tests' 101 ids ("<s>" = 1, "</s>" = 2), with
+  `template` as its post-processor (None: none)."""
+  import tokenizers
+  from tokenizers import models as tok_models, pre_tokenizers, processors
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 101)}}
+  tokenizer = tokenizers.Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  if template is not None:
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<s>", 1), ("</s>", 2)])
+  tokenizer.save(str(path))
+
+
+def test_a_published_directory_brings_its_architecture_and_its_tokenizers_bos(tmp_path):
+  """A Qwen3 save_pretrained directory (q/k-norm, head_dim 32 != d / H = 16) given as the
+  base of a Llama model config: load_base takes the directory's architecture (the client's
+  h equals transformers'), records it, and reads the directory's tokenizer.json with the BOS
+  its post-processor prepends; a post-processor that appends an EOS is refused in one line."""
+  from configs import models as model_configs
+  from lla.train import models
+  hf = hf_model("qwen3")
+  hf.save_pretrained(tmp_path / "qwen3")
+  config = model_configs.get_config("tiny_llama")
+  config.hf_dir = str(tmp_path / "qwen3")
+  params, cfg, provenance = models.load_base(config)
+  assert (cfg.family, cfg.head_dim, cfg.qk_norm, cfg.n_embd // cfg.n_head) == ("qwen3", 32, True,
+                                                                              16)
+  assert provenance["model"] == {"family": "qwen3", "format": "hf-safetensors",
+                                 "dequantisation": "none"}
+  tokens = np.random.default_rng(3).integers(0, _COMMON["vocab_size"], (B, T)).astype(np.int32)
+  assert_close(split.client(params, cfg, jnp.asarray(tokens), 2),
+               hf_boundary(hf, torch.from_numpy(tokens).long(), 2)[0], RTOL, "h at k = 2")
+  assert models.tokenizer(config) is None  # no tokenizer.json: the data directory's GPT-2
+  for template, bos in (("$A", None), ("<s> $A", 1)):
+    _tokenizer_json(tmp_path / "qwen3" / "tokenizer.json", template)
+    own = models.tokenizer(config)
+    assert own.bos_id == bos and own.encode("w5 w7").tolist() == [5, 7]
+  _tokenizer_json(tmp_path / "qwen3" / "tokenizer.json", "$A </s>")
+  with pytest.raises(models.TokenizerPolicyError, match="lla places one leading BOS"):
+    models.tokenizer(config)
+
+
+def test_a_published_model_without_weights_is_refused_before_any_write(tmp_path):
+  import subprocess
+  import sys
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:paper_qwen3",
+       f"--workdir={tmp_path / 'work'}"],
+      cwd=str(__import__("pathlib").Path(__file__).parents[1]), capture_output=True, text=True,
+      env=dict(__import__("os").environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  line, = result.stderr.strip().splitlines()
+  assert "'qwen3_0_6b'" in line and "--config.model.hf_dir" in line
+  assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]

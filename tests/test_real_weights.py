@@ -184,9 +184,7 @@ def test_a_second_run_resumes_and_changes_nothing(finished):
 
 def test_bad_inputs_are_one_line(finished, tmp_path):
   root, _, _ = finished
-  bos = gguf_file(tmp_path / "bos.gguf", add_bos=True)
-  cases = [(bos, [], ["prepends BOS (id 1)"]),
-           (tmp_path / "absent.gguf", [], ["absent.gguf", "does not exist"]),
+  cases = [(tmp_path / "absent.gguf", [], ["absent.gguf", "does not exist"]),
            (root / "tiny.gguf", ["--config.data.documents=100000"],
             ["documents (test split)", "100000 asked for"])]
   for path, extra, facts in cases:

@@ -237,6 +237,9 @@ class Workspace:
     capture_info: the blocks of the capture's metadata an attack may read
       (lla.capture.store.ATTACK_METADATA, e.g. `active`); never document ids, the session
       or a path. Read-only.
+    known_prefix: the tokens every document starts with, public (the model's BOS; E.C):
+      an attack may start after them, and no position among them is scored. The
+      calibration passages start with them too.
 
   A workspace holds arrays and metadata only: no ground truth, no document ids and no path
   to the capture, the study or the defender's key store (the replay driver keeps those;
@@ -257,6 +260,7 @@ class Workspace:
   defense: dict | None = None
   capture_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
   capture_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  known_prefix: tuple[int, ...] = ()
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
   _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
@@ -272,6 +276,7 @@ class Workspace:
     self.capture_files = types.MappingProxyType(
         {str(k): bytes(v) for k, v in dict(self.capture_files).items()})
     self.capture_info = types.MappingProxyType(json.loads(json.dumps(dict(self.capture_info))))
+    self.known_prefix = tuple(int(t) for t in self.known_prefix)
 
   @property
   def num_docs(self) -> int:
@@ -436,7 +441,7 @@ class Workspace:
     return self.stage("ridge", self._fit_ridge, analytic=self._ridge_analytic())
 
   def _ridge_analytic(self) -> float:
-    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    d, rows = self.cfg.n_embd, self.calibration_tokens[:, len(self.known_prefix):].size
     return ridge.ridge_flops(rows, d, d)
 
   def calibration_activations(self) -> np.ndarray:
@@ -455,15 +460,22 @@ class Workspace:
     h_cal = self.calibration_activations()
     if self.calibration_transform is not None:
       h_cal = np.asarray(self.calibration_transform(h_cal), np.float32)
-    e_cal = np.asarray(self.wte)[self.calibration_tokens]
-    d, rows = self.cfg.n_embd, self.calibration_tokens.size
+    # A known prefix's rows are one constant row per position (a BOS's, with the massive
+    # activations of an attention sink): left out, they would only weigh on the fit.
+    skip = len(self.known_prefix)
+    h_cal, tokens = h_cal[:, skip:], self.calibration_tokens[:, skip:]
+    e_cal = np.asarray(self.wte)[tokens]
+    d, rows = self.cfg.n_embd, tokens.size
     self.count_host(ridge.ridge_flops(rows, d, d))
     return ridge.fit_ridge(h_cal, e_cal, self.ridge_alpha)
 
   @functools.cached_property
   def baseline_token(self) -> int:
-    """The calibration corpus's most common token (ties: lower id)."""
-    return int(np.bincount(self.calibration_tokens.reshape(-1)).argmax())
+    """The calibration corpus's most common token (ties: lower id), after the known prefix
+    (the positions that are scored)."""
+    tokens = self.calibration_tokens[:, len(self.known_prefix):]
+    return int(np.bincount(tokens.reshape(-1)).argmax())
+
 
   def decoded_embeddings(self) -> np.ndarray:
     """[B, T, d] ridge-decoded embeddings of the observed activations (part of `ridge`)."""

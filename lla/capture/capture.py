@@ -39,6 +39,24 @@ class CaptureInputError(ValueError):
   """An input of a capture that is checked before anything runs; one line naming it."""
 
 
+def check_known_prefix(tokens: np.ndarray, known_prefix) -> tuple[int, ...]:
+  """`known_prefix` as a tuple of ints, or CaptureInputError: scoring skips one position
+  (lla.scoring.metrics "after_bos"), so a prefix is one token (a BOS) that every document of
+  tokens [B, T] starts with, with text after it."""
+  prefix = tuple(int(t) for t in known_prefix)
+  if len(prefix) > 1:
+    raise CaptureInputError(f"known prefix {list(prefix)}: lla supports one public token (a "
+                            "BOS), not a longer prefix")
+  if prefix and tokens.shape[1] <= len(prefix):
+    raise CaptureInputError(f"documents of {tokens.shape[1]} tokens hold nothing after the "
+                            f"known prefix {list(prefix)}")
+  if prefix and np.any(tokens[:, :len(prefix)] != np.asarray(prefix)):
+    bad = int(np.flatnonzero(np.any(tokens[:, :len(prefix)] != np.asarray(prefix), 1))[0])
+    raise CaptureInputError(f"document {bad} does not start with the known prefix "
+                            f"{list(prefix)} (the model's BOS)")
+  return prefix
+
+
 def check_tokens(tokens, cfg: GPT2Config, what: str = "tokens") -> np.ndarray:
   """`tokens` as int32 [B, T] with B, T >= 1, ids in [0, V) and T <= n_positions, or
   CaptureInputError naming what is wrong (`what` names the input, e.g. its file)."""
@@ -93,7 +111,8 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                    defense_seed_sha256: str = "",
                    extra_metadata: dict | None = None,
                    attacker: protocol.Attacker | None = None,
-                   extra_files: dict[str, bytes] | None = None) -> str:
+                   extra_files: dict[str, bytes] | None = None,
+                   known_prefix: tuple[int, ...] = ()) -> str:
   """Runs the split on `tokens` [B, T] and writes a capture; returns its manifest sha256.
 
   Args:
@@ -105,8 +124,11 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
       server that wrote the gradients (lla.active).
     extra_files: files stored with the capture and covered by its manifest
       (store.write_capture).
+    known_prefix: the tokens every document starts with, public (the model's BOS; E.C):
+      attacks may start after them and they are never scored.
   """
   tokens = check_tokens(tokens, cfg)
+  known_prefix = check_known_prefix(tokens, known_prefix)
   check_cut(cut, cfg)
   check_batch_size(batch_size)
   if messages is None:
@@ -120,7 +142,8 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
       V=attacker or protocol.Attacker(),
       O=protocol.Observations(activations=True, gradients=g is not None),
       C=protocol.Corpora(name=corpus, seq_len=int(tokens.shape[1]),
-                         split_hashes=protocol.frozen(split_hashes or {})))
+                         split_hashes=protocol.frozen(split_hashes or {}),
+                         known_prefix=known_prefix))
   num_docs = tokens.shape[0]
   metadata = {
       # Deterministic by default, so the same target and documents capture to the same bytes.

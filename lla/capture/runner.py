@@ -14,6 +14,7 @@ from lla.data.passages import token_sha256
 from lla.defenses import training as defended
 from lla.evidence import files
 from lla.model.loading import load_model
+from lla.train import models as train_models
 
 
 def load_tokens_npy(path: str) -> np.ndarray:
@@ -104,6 +105,10 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   _check_model_source(config.model)
   model = load_model(config.model)
   capture.check_cut(config.cut, model.cfg)
+  # A model that brings its own tokenizer (a GGUF's) cuts the text, and its BOS, if any,
+  # starts every document as a public token.
+  tokenizer = train_models.tokenizer(config.model)
+  known_prefix = tokenizer.known_prefix if tokenizer is not None else ()
   if user_tokens is not None:
     tokens = capture.check_tokens(user_tokens, model.cfg,
                                   f"--config.data.tokens_npy={config.data.tokens_npy}")
@@ -111,7 +116,7 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
     hashes = {"evaluation": token_sha256(tokens)}
   else:
     data = {k: v for k, v in config.data.to_dict().items() if k != "tokens_npy"}
-    splits = data_load.load_splits(**data)
+    splits = data_load.load_splits(**data, tokenizer=tokenizer)
     tokens, ids, corpus = splits.evaluation.tokens, splits.evaluation.document_ids, splits.corpus
     tokens = capture.check_tokens(tokens, model.cfg, f"the {corpus} evaluation split")
     hashes = {name: p.sha256 for name, p in splits.items()}
@@ -131,5 +136,5 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
       workdir, model.params, model.cfg, tokens, ids, int(config.cut), model_id=model.model_id,
       corpus=corpus, split_hashes=hashes, training=bool(config.training),
       batch_size=int(config.batch_size), session_id=config.session_id or None,
-      extra_metadata={"model_source": model.source,  # family/format/dequantisation; GPT-2's records unchanged
+      known_prefix=known_prefix, extra_metadata={"model_source": model.source,  # family/format/dequantisation; GPT-2's records unchanged
                       **({"model_info": model.info} if model.cfg.family != "gpt2" else {})}, **defense_args)

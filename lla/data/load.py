@@ -94,13 +94,21 @@ def load_splits(
   Returns:
     `Splits` with tokens int32 [n, seq_len] per split, document ids (window
     indices in the source stream) and sha256 hashes; splits that share a
-    source are disjoint.
+    source are disjoint. A tokenizer with a BOS (`Tokenizer.bos_id`) puts it at
+    position 0 of every passage, before seq_len - 1 tokens of text: the passage is
+    the sequence its model sees, and `Splits.known_prefix` says which positions are
+    public.
   """
   if not isinstance(corpus, corpora.Corpus):
     corpus = make_corpus(corpus, data_dir, cache_dir, tokenizer)
+  prefix = corpus.tokenizer.known_prefix
+  if seq_len <= len(prefix):
+    raise ValueError(f"seq_len={seq_len} leaves no text after the tokenizer's BOS")
   sources = {"calibration": calibration_source, "training": training_source, "evaluation": evaluation_source}
   sizes = {"calibration": n_calibration, "training": n_train, "evaluation": n_eval}
-  windows = {source: passages.cut_windows(corpus.tokens(source), seq_len) for source in set(sources.values())}
+  windows = {source: passages.with_prefix(passages.cut_windows(corpus.tokens(source),
+                                                               seq_len - len(prefix)), prefix)
+             for source in set(sources.values())}
   drawn = passages.draw_splits(windows, sources, sizes, seed)
   provenance = {
       "corpus": corpus.metadata(),
@@ -108,7 +116,8 @@ def load_splits(
       "source_sha256": {source: corpus.source_sha256(source) for source in sorted(windows)},
       "n_windows": {source: len(windows[source]) for source in sorted(windows)},
   }
-  return passages.Splits(corpus=corpus.name, seq_len=seq_len, seed=seed, provenance=provenance, **drawn)
+  return passages.Splits(corpus=corpus.name, seq_len=seq_len, seed=seed, provenance=provenance,
+                         known_prefix=prefix, **drawn)
 
 
 def load_splits_from_config(config: ml_collections.ConfigDict, **overrides: Any) -> passages.Splits:
@@ -159,4 +168,4 @@ def pretraining_tokens(
         f"{split!r} here; its document ids would point at the wrong windows."
     )
   document_ids = np.concatenate([getattr(exclude, name).document_ids for name in drop])
-  return passages.remove_windows(stream, exclude.seq_len, document_ids)
+  return passages.remove_windows(stream, exclude.text_len, document_ids)

@@ -40,6 +40,12 @@ def cut_windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
   return np.asarray(stream[: n_windows * seq_len], np.int32).reshape(n_windows, seq_len)
 
 
+def with_prefix(windows: np.ndarray, prefix: tuple[int, ...]) -> np.ndarray:
+  """windows [n, L] with the tokens `prefix` (a BOS) in front of each: int32 [n, P + L]."""
+  head = np.broadcast_to(np.asarray(prefix, np.int32), (len(windows), len(prefix)))
+  return np.concatenate([head, windows], axis=1).astype(np.int32)
+
+
 def _source_rng(seed: int, source: str) -> np.random.Generator:
   # One stream per (seed, source): a split's draw depends on its source and
   # seed only, not on how long the other sources happen to be.
@@ -54,7 +60,8 @@ class Passages:
   Attributes:
     tokens: int32 [N, T], read-only.
     document_ids: int64 [N]; row r is window `document_ids[r]` of the source
-      split's stream, i.e. stream[id*T : (id+1)*T].
+      split's stream, i.e. stream[id*L : (id+1)*L] after the known prefix (L = T less
+      `Splits.known_prefix`: T without a BOS).
     source: the corpus split the windows were cut from ("train", "test", ...).
     sha256: `token_sha256(tokens)`.
   """
@@ -101,6 +108,9 @@ class Splits:
     training: the fine-tuning documents, tokens [n_train, T].
     evaluation: the held-out documents to attack, tokens [n_eval, T].
     provenance: corpus metadata, tokenizer fingerprint, source-split hashes.
+    known_prefix: the tokens every passage starts with (the model's BOS), public and
+      never scored; each passage is then `known_prefix` + T - P tokens of text, window
+      `document_ids[r]` of T - P tokens.
   """
 
   corpus: str
@@ -110,19 +120,28 @@ class Splits:
   training: Passages
   evaluation: Passages
   provenance: Mapping[str, Any]
+  known_prefix: tuple[int, ...] = ()
+
+  @property
+  def text_len(self) -> int:
+    """Tokens of text per passage (T less the known prefix): the windows' length."""
+    return self.seq_len - len(self.known_prefix)
 
   def items(self) -> tuple[tuple[str, Passages], ...]:
     return tuple((name, getattr(self, name)) for name in SPLIT_NAMES)
 
   def to_json(self) -> dict[str, Any]:
     """JSON-serialisable summary (the corpus component C of the protocol tuple)."""
-    return {
+    out = {
         "corpus": self.corpus,
         "seq_len": self.seq_len,
         "seed": self.seed,
         "splits": {name: passages.to_json() for name, passages in self.items()},
         "provenance": dict(self.provenance),
     }
+    if self.known_prefix:  # Absent without one, so that earlier studies' summaries stand.
+      out["known_prefix"] = list(self.known_prefix)
+    return out
 
 
 def draw_splits(

@@ -45,11 +45,21 @@ class Tokenizer:
     sha256: fingerprint of the full tokenizer definition (vocabulary, merges,
       pre-tokenizer, special tokens); it keys token caches, so any change to
       how text becomes ids invalidates them.
+    bos_id: the token the model's own tokenizer puts in front of every sequence (Llama's
+      `<s>`, Gemma's `<bos>`), or None where it adds none (GPT-2, Qwen, SmolLM2). `encode`
+      never adds it: the passages put it at position 0 (lla.data.load.load_splits), where
+      it is public and never scored.
   """
 
   backend: tokenizers.Tokenizer
   source: str
   sha256: str
+  bos_id: int | None = None
+
+  @property
+  def known_prefix(self) -> tuple[int, ...]:
+    """The tokens every passage starts with, known to everyone: (bos_id,) or ()."""
+    return () if self.bos_id is None else (int(self.bos_id),)
 
   @property
   def eot_id(self) -> int | None:
@@ -110,9 +120,30 @@ def from_directory(directory: str | os.PathLike[str]) -> Tokenizer:
   return wrap(backend, str(directory))
 
 
-def wrap(backend: tokenizers.Tokenizer, source: str) -> Tokenizer:
-  """Any `tokenizers.Tokenizer` (a model's own, e.g. a GGUF file's), from `source`."""
-  return Tokenizer(backend=backend, source=source, sha256=_fingerprint(backend))
+def wrap(backend: tokenizers.Tokenizer, source: str, bos_id: int | None = None) -> Tokenizer:
+  """Any `tokenizers.Tokenizer` (a model's own, e.g. a GGUF file's), from `source`, with the
+  BOS its model expects in front of every sequence (None: none)."""
+  return Tokenizer(backend=backend, source=source, sha256=_fingerprint(backend), bos_id=bos_id)
+
+
+def from_file(path: str | os.PathLike[str]) -> Tokenizer:
+  """A model's own `tokenizer.json` (a `save_pretrained` directory's), with the BOS its
+  post-processor puts in front of a sequence (Llama-2's `<s>`, Llama-3's
+  `<|begin_of_text|>`; Qwen's adds none): lla places that BOS itself (`Tokenizer.bos_id`).
+
+  Raises:
+    ValueError: the post-processor adds tokens other than one leading BOS (e.g. an EOS),
+      which lla does not place.
+  """
+  backend = tokenizers.Tokenizer.from_file(str(path))
+  plain = backend.encode("a", add_special_tokens=False).ids
+  full = backend.encode("a", add_special_tokens=True).ids
+  if full == plain:
+    return wrap(backend, str(path))
+  if len(full) == len(plain) + 1 and full[1:] == plain:
+    return wrap(backend, str(path), bos_id=int(full[0]))
+  raise ValueError(f"{path}: its post-processor turns {plain} into {full}; lla places one "
+                   "leading BOS and nothing else")
 
 
 def definition(tokenizer: Tokenizer) -> str:

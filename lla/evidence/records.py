@@ -24,7 +24,9 @@ from lla.evidence import files
 
 SCHEMA = "lla.attack_record.v2"
 STATUSES = ("ok", "crashed", "skipped")
-SCORED_POSITIONS = ("all", "t>=1")
+# "all": every position; "t>=1": an attack that cannot see position 0 (it reads g[t-1]);
+# "after_bos": every position after the capture's known BOS (E.C.known_prefix), public.
+SCORED_POSITIONS = ("all", "t>=1", "after_bos")
 KNOWLEDGE = ("public", "trained", "none")
 UNDEFENDED = "none"
 _HEX64 = re.compile(r"[0-9a-f]{64}")

@@ -95,6 +95,10 @@ class Corpora:
   name: str = "wikitext2"
   seq_len: int = 32
   split_hashes: tuple = ()      # frozen dict split -> sha256
+  # Tokens every document starts with, public to every party (the model's BOS): attacks
+  # may start after them and no position among them is scored. Left out of E's JSON when
+  # empty, so that every E without one keeps the hash it had before the field existed.
+  known_prefix: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,8 @@ class ProtocolTuple:
       component = getattr(self, f.name)
       out[f.name] = {g.name: _thaw(getattr(component, g.name))
                      for g in dataclasses.fields(component)}
+    if not self.C.known_prefix:
+      del out["C"]["known_prefix"]
     return out
 
   def canonical_json(self) -> bytes:

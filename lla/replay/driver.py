@@ -378,7 +378,8 @@ class Plan:
                      defense={"name": str(target["defense"]),
                               "params": dict(target["defense_params"] or {})},
                      capture_files=store.attack_files(self.capture),
-                     capture_info=store.attack_metadata(self.capture))
+                     capture_info=store.attack_metadata(self.capture),
+                     known_prefix=known_prefix(self.capture.metadata))
 
   def record_fields(self, run_dir: str, e_hash: str, model_seed: int) -> dict:
     """The fields every record of this replay shares."""
@@ -438,6 +439,17 @@ def prepare(capture_dir: str, attacker: Attacker, attacks: list[str], budget, se
   return Plan(capture, attacker, specs, values, int(seed), calibration_defense, transform, e)
 
 
+def known_prefix(metadata: dict) -> tuple[int, ...]:
+  """The capture's public first tokens (E.C.known_prefix: a BOS), () without one."""
+  return tuple(int(t) for t in metadata["protocol"]["C"].get("known_prefix", ()))
+
+
+def scored_positions(spec, ws: Workspace) -> str:
+  """The positions an attack's record is scored on: its own declaration, or every position
+  after the capture's known BOS (lla.scoring.metrics)."""
+  return "after_bos" if ws.known_prefix else spec.scored_positions
+
+
 def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
   predictions = np.asarray(predictions)
   if predictions.shape != (ws.num_docs, ws.seq_len) or not np.issubdtype(predictions.dtype,
@@ -480,7 +492,7 @@ def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, 
       status="ok" if measured else "crashed",
       error=None if measured else f"{type(error).__name__}: {error}",
       prediction_file=prediction_file, prediction_sha256=prediction_sha256,
-      scored_positions=spec.scored_positions, baseline_token=ws.baseline_token,
+      scored_positions=scored_positions(spec, ws), baseline_token=ws.baseline_token,
       budget=view.to_dict(), flops=charge.flops if measured else None,
       flops_source=charge.flops_source if measured else None,
       flops_analytic=charge.flops_analytic if measured else None,

@@ -66,7 +66,8 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
                  batch_docs=replay.batch_docs(capture.metadata),
                  defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})},
                  capture_files=store.attack_files(capture),
-                 capture_info=store.attack_metadata(capture))
+                 capture_info=store.attack_metadata(capture),
+                 known_prefix=replay.known_prefix(capture.metadata))
   return ws
 
 

@@ -47,8 +47,13 @@ class Scored:
 
 
 def attack_key(r: AttackRecord) -> str:
-  """Pooling key: the module, marked when scored on t >= 1 only."""
-  return r.attack if r.scored_positions == "all" else f"{r.attack}[t>=1]"
+  """Pooling key: the module, marked when it is blind at a position its peers are scored
+  on ("t>=1"); after a public BOS every attack is scored on the same positions."""
+  return key_of(r.attack, r.scored_positions)
+
+
+def key_of(attack: str, scored_positions: str) -> str:
+  return f"{attack}[t>=1]" if scored_positions == "t>=1" else attack
 
 
 def config_key(r: AttackRecord) -> str:

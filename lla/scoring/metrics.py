@@ -13,13 +13,14 @@ DEFAULT_Z = 2.5392
 
 
 def position_mask(seq_len: int, scored_positions: str) -> np.ndarray:
-  """[T] bool mask of the positions an attack is scored on ("all" / "t>=1")."""
+  """[T] bool mask of the positions an attack is scored on: "all"; "t>=1" (an attack
+  blind at position 0); "after_bos" (every position after a public BOS at position 0)."""
   if scored_positions == "all":
     return np.ones(seq_len, bool)
-  if scored_positions == "t>=1":
+  if scored_positions in ("t>=1", "after_bos"):
     return np.arange(seq_len) >= 1
-  raise ValueError(f"scored_positions {scored_positions!r}: expected 'all' or "
-                   "'t>=1'")
+  raise ValueError(f"scored_positions {scored_positions!r}: expected 'all', 't>=1' or "
+                   "'after_bos'")
 
 
 def _check(pred: np.ndarray, truth: np.ndarray) -> None:

@@ -92,7 +92,7 @@ def difference_matrix(scored, per_doc, treatment: str, control: str, cut: int,
     r = s.record
     if (s.counts is None or r.defense != "none" or r.cut != cut or
         r.knowledge != knowledge or r.corpus != corpus or
-        r.scored_positions != "all" or r.attack not in (treatment, control)):
+        r.scored_positions == "t>=1" or r.attack not in (treatment, control)):
       continue
     key = (r.attack, r.seed)
     if key in rows[r.model_seed]:

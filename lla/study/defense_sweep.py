@@ -157,7 +157,8 @@ def capture_expectation(target, defense: defenses.Defense, secret: defenses.Secr
 
 def defended_capture(directory: pathlib.Path, target, defense: defenses.Defense,
                      secret: defenses.Secret | None, label: str, fine_tuned: bool, tokens, ids,
-                     cut: int, corpus: str, split_hashes: dict, batch_size: int) -> str:
+                     cut: int, corpus: str, split_hashes: dict, batch_size: int,
+                     known_prefix: tuple[int, ...] = ()) -> str:
   """The defended capture of `target` (PROTOCOL section 1 with the defense in the loop),
   made once; a capture already in `directory` is reused only if its E matches what this
   one would be (`capture_expectation`), else refused (store.CaptureError, one line naming
@@ -170,7 +171,7 @@ def defended_capture(directory: pathlib.Path, target, defense: defenses.Defense,
                                          secret, batch_size, training=True,
                                          first_step=CAPTURE_STEP, fine_tuned=fine_tuned),
       defense=defense.name, defense_seed_sha256=secret.sha256 if secret is not None else "",
-      defense_params=params),
+      defense_params=params, known_prefix=known_prefix),
       expected=capture_expectation(target, defense, secret, label, fine_tuned, cut,
                                    split_hashes))
 
@@ -199,7 +200,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                                base)
     directory = captures / f"def_{label}_m{target.model_seed}"
     defended_capture(directory, target, defense, secret, label, fine_tuned, tokens, ids, cut,
-                     splits.corpus, {n: s.sha256 for n, s in splits.items()}, batch_size)
+                     splits.corpus, {n: s.sha256 for n, s in splits.items()}, batch_size,
+                     splits.known_prefix)
     attacker = target.attacker(splits.calibration.tokens)
     attacks, baselines = fitting_attacks(defense, {"activations", "gradients"},
                                          target.knowledge, tuple(config.defense_skip_attacks))

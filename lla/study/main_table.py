@@ -22,6 +22,7 @@ rendered again.
 from __future__ import annotations
 
 import dataclasses
+import resource
 import json
 import pathlib
 import time
@@ -80,9 +81,15 @@ class Target:
     return f"k{self.cut}_{self.knowledge}_m{self.model_seed}"
 
 
+def _peak_rss_mb() -> float:
+  """The process's resident high-water mark so far (Linux reports ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _phase(workdir: pathlib.Path, name: str) -> None:
   """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
-  one, or the invocation, does). A long study's compiled executables are dropped here
+  one, or the invocation, does), with the process's peak RSS so far: the phase whose end
+  raises it holds the job's peak. A long study's compiled executables are dropped here
   before they exhaust the process's memory mappings (lla.runtime)."""
   runtime.release_compiled_when_crowded()
   logging.info("== phase: %s", name)
@@ -91,7 +98,7 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
   if path.exists():
     timing = files.read_json(str(path))
     timing["invocations"][-1].setdefault("phases", []).append(
-        {"name": name, "started_unix": time.time()})
+        {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
@@ -136,7 +143,7 @@ def capture_targets(config, workdir: pathlib.Path, targets: list[Target], splits
     store.reuse_or_write(directory, lambda d, t=target: capture.capture_target(
         d, t.params, t.cfg, splits.evaluation.tokens, splits.evaluation.document_ids, t.cut,
         model_id=t.model_id, corpus=splits.corpus, split_hashes=hashes, training=True,
-        batch_size=int(config.capture_batch_size)),
+        batch_size=int(config.capture_batch_size), known_prefix=splits.known_prefix),
         expected=capture_expectation(target, splits))
     out[target.name] = directory
   return out
@@ -186,7 +193,7 @@ def published_attacks(config, workdir: pathlib.Path, study: pathlib.Path, target
       d, target.params, target.cfg, splits.evaluation.tokens[:docs],
       splits.evaluation.document_ids[:docs], target.cut, model_id=target.model_id,
       corpus=splits.corpus, split_hashes=hashes, training=True,
-      batch_size=int(config.capture_batch_size)),
+      batch_size=int(config.capture_batch_size), known_prefix=splits.known_prefix),
       expected=capture_expectation(target, splits))
   chunk_budget, _ = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
   for seed in config.attack_seeds:
@@ -241,7 +248,7 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
         d, params, cfg, s.evaluation.tokens, s.evaluation.document_ids, cut,
         model_id=provenance["params_sha256"], corpus=s.corpus, split_hashes=hashes,
-        training=False),
+        training=False, known_prefix=s.known_prefix),
         expected={"T.model_id": provenance["params_sha256"], "T.cut": cut,
                   "C.split_hashes": hashes})
     attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
@@ -281,6 +288,7 @@ def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
     invocations.append({"started_unix": when, "finished_unix": None})
   else:
     invocations[-1]["finished_unix"] = when
+    invocations[-1]["peak_rss_mb"] = _peak_rss_mb()
   workdir.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), {"invocations": invocations}, overwrite=True)
 
@@ -321,8 +329,15 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   registry.load_plugins(config.plugins)
   # The model's own tokenizer (a GGUF file's) cuts the same text into its own passages;
   # None: GPT-2's, which the models pre-trained here use. Read before anything is written,
-  # so that a file lla cannot read or a BOS policy it does not implement costs nothing.
+  # so that a file lla cannot read, or weights nobody named, cost nothing.
+  models.check_weights(config.model)
   tokenizer = models.tokenizer(config.model)
+  if tokenizer is not None and tokenizer.known_prefix and (config.frontier.enabled
+                                                           or config.active.enabled):
+    raise models.TokenizerPolicyError(
+        f"{tokenizer.source}: its tokenizer prepends BOS, and the frontier and the active tier "
+        "do not place one yet: set --config.frontier.enabled=False "
+        "--config.active.enabled=False")
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)

@@ -38,6 +38,7 @@ import tempfile
 import lla
 from lla import provenance
 from lla.evidence import files, rundir
+from lla.scoring import gates
 from lla.scoring import policy as policy_lib
 from lla.scoring import scorecard
 from lla.study import pytest_outcomes
@@ -221,8 +222,7 @@ _SETTING = ("cut", "knowledge", "corpus")
 def _runs(card: dict, config: dict, attack_key: str) -> list[str]:
   return sorted(r["run_id"] for r in card["rows"] if r["status"] == "ok" and
                 all(r[f] == config[f] for f in ("defense", *_SETTING)) and
-                (r["attack"] if r["scored_positions"] == "all"
-                 else f"{r['attack']}[t>=1]") == attack_key)
+                gates.key_of(r["attack"], r["scored_positions"]) == attack_key)
 
 
 def _where(config: dict) -> str:

@@ -21,8 +21,9 @@ hundreds.
              first, so that ROUGE-L on text decodes with it and a rescore needs nothing
              else.
 
-A model whose tokenizer prepends BOS is refused (position 0 would be known: issue 20's BOS
-policy is not implemented; lla.train.models.tokenizer).
+A model whose tokenizer prepends BOS gets it at position 0 of every passage, before
+seq_len - 1 tokens of text; E records it as the known prefix, so no attack is scored there
+(lla.train.models.tokenizer).
 """
 
 from __future__ import annotations
@@ -94,14 +95,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return files.read_json(card_file)
 
   path = models.gguf_path(config.model)
-  tokenizer = models.tokenizer(config.model)  # Refuses a BOS policy before any load.
+  tokenizer = models.tokenizer(config.model)
   model = load_model(ml_collections.ConfigDict({"gguf": path}))
   d = config.data
+  prefix = tokenizer.known_prefix
+  text_len = d.seq_len - len(prefix)
   documents, doc_index = passages(paragraphs(d.data_dir, "test", d.min_chars),
-                                  tokenizer.backend, d.documents, d.seq_len, d.seed,
+                                  tokenizer.backend, d.documents, text_len, d.seed,
                                   "documents (test split)")
   calibration, _ = passages(paragraphs(d.data_dir, "train", d.min_chars), tokenizer.backend,
-                            d.calibration, d.seq_len, d.seed + 1, "calibration (train split)")
+                            d.calibration, text_len, d.seed + 1, "calibration (train split)")
+  documents = passages_lib.with_prefix(documents, prefix)
+  calibration = passages_lib.with_prefix(calibration, prefix)
   # Every input checked: from here on the workdir is written.
   os.makedirs(workdir, exist_ok=True)
   if not os.path.exists(config_file):
@@ -117,7 +122,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         directory, model.params, model.cfg, documents, doc_index.tolist(), config.cut,
         model_id=model.model_id, corpus=corpus, split_hashes=split_hashes,
         training=config.training,
-        batch_size=config.capture_batch,
+        batch_size=config.capture_batch, known_prefix=prefix,
         extra_metadata={"model": model.info, "model_source": model.source})
 
   store.reuse_or_write(capture_dir, write, expected={

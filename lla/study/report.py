@@ -20,6 +20,7 @@ from lla.evidence import rundir  # noqa: E402
 from lla.sweep import frontier as flops_frontier  # noqa: E402
 from lla.scoring import scorecard  # noqa: E402
 from lla.study import seed_figures  # noqa: E402
+from lla.train import models  # noqa: E402
 
 REPORT_FILE = "report.md"
 
@@ -283,14 +284,17 @@ def decoy_section(workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
 
 def phase_table(invocations: list[dict]) -> list[str]:
   """Minutes per phase of each invocation (timing.json; a phase ends where the next, or
-  the invocation, does)."""
-  lines = ["| invocation | phase | minutes |", "|---|---|---|"]
+  the invocation, does) and the process's peak RSS by the phase's end (where it rises, the
+  phase holds the peak; "—" where timing.json predates the measurement)."""
+  lines = ["| invocation | phase | minutes | peak RSS by its end (GB) |", "|---|---|---|---|"]
   for number, inv in enumerate(invocations, 1):
     phases = inv.get("phases", [])
     ends = [p["started_unix"] for p in phases[1:]] + [inv.get("finished_unix")]
-    for phase, end in zip(phases, ends):
+    peaks = [p.get("peak_rss_mb") for p in phases[1:]] + [inv.get("peak_rss_mb")]
+    for phase, end, peak in zip(phases, ends, peaks):
       minutes = "—" if end is None else f"{(end - phase['started_unix']) / 60:.1f}"
-      lines.append(f"| {number} | {phase['name']} | {minutes} |")
+      rss = "—" if peak is None else f"{peak / 1024:.1f}"
+      lines.append(f"| {number} | {phase['name']} | {minutes} | {rss} |")
   return lines
 
 
@@ -313,7 +317,7 @@ def flop_frontier_section(config, workdir: pathlib.Path, out: pathlib.Path) -> l
 
 def _weights_note(model) -> str:
   """Where a published model's weights came from, when they are not an lla checkpoint."""
-  if model.get("gguf") or model.get("gguf_package"):
+  if models.is_gguf(model):
     return (f" (GGUF file {model.get('gguf') or 'of the package ' + model.gguf_package}, "
             "dequantised to float32; its own tokenizer)")
   return f" (hf_dir {model.hf_dir})" if model.get("hf_dir") else ""

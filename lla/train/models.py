@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import ml_collections
 
 from lla.model import hf_io
@@ -10,9 +12,28 @@ from lla.model.gpt2 import GPT2Config
 from lla.model import checkpoint as ckpt
 
 
+class MissingWeightsError(ValueError):
+  """A published model whose weights no file names (lla does not pre-train it)."""
+
+
+def check_weights(model: ml_collections.ConfigDict) -> None:
+  """Raises MissingWeightsError (one line) for a model that needs published weights
+  (`weights_required`, e.g. configs/models.py:qwen3_0_6b) when none is named."""
+  if model.get("weights_required") and not any(
+      model.get(k) for k in ("hf_dir", "gguf", "gguf_package", "checkpoint", "hub")):
+    raise MissingWeightsError(f"model {model.name!r} is read from its published weights, which "
+                              "lla does not pre-train: pass --config.model.hf_dir=DIR (a "
+                              "save_pretrained directory with its tokenizer.json)")
+
+
 def architecture(model: ml_collections.ConfigDict) -> GPT2Config | DecoderConfig:
   """The model's `GPT2Config` (a config without `family`), or for a RoPE family its
-  `DecoderConfig` (no biases, RMSNorm, SwiGLU, default RoPE, head_dim = d / H)."""
+  `DecoderConfig` (no biases, RMSNorm, SwiGLU, default RoPE, head_dim = d / H): the model
+  lla pre-trains. A published model (`weights_required`) has its checkpoint's instead."""
+  check_weights(model)
+  if model.get("weights_required"):
+    raise ValueError(f"model {model.name!r}: its architecture is its checkpoint's config.json "
+                     "(lla.model.loading.load_model), not one lla builds")
   if model.get("family", "gpt2") == "gpt2":
     return GPT2Config(vocab_size=model.vocab_size, n_positions=model.n_positions,
                       n_embd=model.n_embd, n_layer=model.n_layer, n_head=model.n_head,
@@ -27,14 +48,19 @@ def architecture(model: ml_collections.ConfigDict) -> GPT2Config | DecoderConfig
                        tie_embeddings=model.tie_embeddings, dtype=model.dtype)
 
 
+def is_gguf(model: ml_collections.ConfigDict) -> bool:
+  """Whether the model's weights come from a GGUF file (`gguf` or `gguf_package`)."""
+  return bool(model.get("gguf") or model.get("gguf_package"))
+
+
 def gguf_path(model: ml_collections.ConfigDict) -> str:
   """The GGUF file a model config names (`gguf`, else the one inside `gguf_package`), or ""."""
+  if not is_gguf(model):
+    return ""
   if model.get("gguf"):
     return model.gguf
-  if model.get("gguf_package"):
-    from lla.model import gguf_io  # the optional `gguf` package, imported only when used
-    return gguf_io.packaged_file(model.gguf_package)
-  return ""
+  from lla.model import gguf_io  # the optional `gguf` package, imported only when used
+  return gguf_io.packaged_file(model.gguf_package)
 
 
 def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | DecoderConfig, dict]:
@@ -42,8 +68,11 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | Deco
 
   Sources in order: a GGUF file (`model.gguf` or `model.gguf_package`; its architecture is
   the file's own, dequantised to float32, provenance also records `lla.model.loading`'s
-  info), `model.checkpoint` (lla, hash-verified), `model.hf_dir`, `model.hub`.
-  Raises ValueError if a non-GGUF architecture is not the configured one (a wrong path).
+  info), `model.checkpoint` (lla, hash-verified), `model.hf_dir` (a `save_pretrained`
+  directory, whose config.json is its architecture, as a GGUF's metadata is: a user's
+  Llama, Mistral or Qwen3 needs no matching model config), `model.hub`.
+  Raises ValueError if a checkpoint's or hub model's architecture is not the configured one
+  (a wrong path).
   """
   path = gguf_path(model)
   if path:
@@ -55,8 +84,10 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | Deco
     restored = ckpt.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"
   elif model.hf_dir:
-    params, cfg = hf_io.load_hf_dir(model.hf_dir)
-    source = f"hf:{model.hf_dir}"
+    from lla.model.loading import load_model  # pylint: disable=g-import-not-at-top
+    loaded = load_model(ml_collections.ConfigDict({"hf_dir": model.hf_dir}))
+    return loaded.params, loaded.cfg, {"source": loaded.source, "params_sha256": loaded.model_id,
+                                       "model": loaded.info}
   elif model.hub:
     params, cfg = hf_io.load_from_hub(model.hub)
     source = f"hub:{model.hub}"
@@ -69,25 +100,38 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | Deco
 
 
 class TokenizerPolicyError(ValueError):
-  """A model whose tokenizer policy the job does not implement (one line naming it)."""
+  """A model whose tokenizer policy is inconsistent (one line naming it)."""
 
 
 def tokenizer(model: ml_collections.ConfigDict):
-  """The model's own tokenizer (`lla.data.Tokenizer`) when it brings one (a GGUF file's), else
-  None: the data directory's GPT-2 tokenizer, which every other model here uses.
+  """The model's own tokenizer (`lla.data.Tokenizer`) when it brings one (a GGUF file's, or
+  the `tokenizer.json` of an `hf_dir`), else None: the data directory's GPT-2 tokenizer,
+  which the models pre-trained here use.
+
+  A tokenizer that prepends BOS carries it (`Tokenizer.bos_id`): the passages then start with
+  it, and position 0 is public and never scored (docs/models.md, "BOS").
 
   Raises:
-    TokenizerPolicyError: the tokenizer prepends BOS. Position 0 would then be known to the
-      attacker and must be excluded from scoring (issue 20's BOS policy), which the job does
-      not implement yet; scoring it as a recovered token would inflate every figure.
+    TokenizerPolicyError: the file asks for a BOS but names no BOS token, or its
+      post-processor adds more than one leading BOS.
   """
+  from lla.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   path = gguf_path(model)
   if not path:
-    return None
-  from lla.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+    own = pathlib.Path(model.get("hf_dir") or "") / "tokenizer.json"
+    if not model.get("hf_dir") or not own.is_file():
+      return None
+    try:
+      return tokenizer_lib.from_file(own)
+    except ValueError as e:
+      raise TokenizerPolicyError(str(e)) from None
   from lla.model import gguf_io  # pylint: disable=g-import-not-at-top
   backend, bos = gguf_io.gguf_tokenizer(path)
+  bos_id = None
   if bos["add_bos_token"]:
-    raise TokenizerPolicyError(f"{path}: its tokenizer prepends BOS (id {bos['bos_token_id']}); "
-                               "the job scores every position and supports no BOS yet")
-  return tokenizer_lib.wrap(backend, f"{path} (GGUF)")
+    bos_id = bos["bos_token_id"]
+    if bos_id is None or not 0 <= int(bos_id) < backend.get_vocab_size(with_added_tokens=True):
+      raise TokenizerPolicyError(f"{path}: its tokenizer prepends BOS but names no BOS token in "
+                                 f"its vocabulary (tokenizer.ggml.bos_token_id = {bos_id})")
+    bos_id = int(bos_id)
+  return tokenizer_lib.wrap(backend, f"{path} (GGUF)", bos_id)

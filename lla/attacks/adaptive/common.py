@@ -43,7 +43,8 @@ def beam_on(ws: Workspace, targets: np.ndarray, candidates: np.ndarray,
             width: int) -> np.ndarray:
   """The activation-matching beam search of PROTOCOL section 4 on targets [B, T, d] instead
   of the observed messages: predictions [B, T] int32."""
-  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan)[0]
+  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
+                                    prefix=ws.known_prefix)[0]
   out = ws.map_documents(search, (np.asarray(targets, np.float32),
                                   np.asarray(candidates, np.int32)),
                          beam_attacks.beam_bytes_per_doc(ws, width, candidates.shape[-1]))
@@ -57,7 +58,8 @@ def undefended_attack(ws: Workspace, targets: np.ndarray, num: int,
   candidates = ridge_candidates(ws, targets, num)
   predictions = beam_on(ws, targets, candidates, width)
   positions = ws.num_docs * ws.seq_len
-  flops = (beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len)
+  flops = (beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len,
+                               len(ws.known_prefix))
            + cand_lib.candidate_flops(positions, ws.cfg.vocab_size, ws.cfg.n_embd))
   return predictions, flops
 
@@ -90,20 +92,22 @@ def attack_through(ws: Workspace, params, num: int, width: int):
   summed squared distance [B], analytic FLOPs); everything metered in the current scope."""
   h_cal = np.asarray(ws.call(split.client, params, cfg=ws.cfg,
                              tokens=jnp.asarray(ws.calibration_tokens), k=ws.cut))
-  d = ws.cfg.n_embd
-  ws.count_host(ridge.ridge_flops(ws.calibration_tokens.size, d, d))
-  decoder = ridge.fit_ridge(h_cal, np.asarray(split.wte(params))[ws.calibration_tokens],
-                            ws.ridge_alpha)
+  d, skip = ws.cfg.n_embd, len(ws.known_prefix)  # a BOS's constant rows left out, as ws.decoder
+  cal = ws.calibration_tokens[:, skip:]
+  ws.count_host(ridge.ridge_flops(cal.size, d, d))
+  decoder = ridge.fit_ridge(h_cal[:, skip:], np.asarray(split.wte(params))[cal], ws.ridge_alpha)
   candidates = ws.map_call(cand_lib.decoded_nearest_tokens, (ws.activations,),
                            8.0 * ws.seq_len * ws.cfg.vocab_size,
                            consts=(decoder.weights, decoder.mu_h, decoder.mu_e,
                                    split.wte(params)), num=num)
-  search = lambda h, c: beam.search(params, ws.cfg, ws.cut, h, c, width, scan=ws.scan)
+  search = lambda h, c: beam.search(params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
+                                    prefix=ws.known_prefix)
   predictions, scores = ws.map_documents(
       search, (ws.activations, candidates.astype(np.int32)),
       beam_attacks.beam_bytes_per_doc(ws, width, num))
   positions = ws.num_docs * ws.seq_len
   flops = (client_flops(ws, ws.calibration_tokens.size)
-           + beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len)
+           + beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len,
+                                 len(ws.known_prefix))
            + cand_lib.candidate_flops(positions, ws.cfg.vocab_size, d))
   return predictions.astype(np.int32), scores, flops

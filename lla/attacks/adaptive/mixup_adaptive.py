@@ -11,7 +11,10 @@ of m rows the attacker can compute, with the same coefficients at every position
 client is causal. So (adaptive-attacks.md section 4):
   1. Position 0. h_{.,0} depends on one token: the client's position-0 row of every
      vocabulary token (one batched forward) is a dictionary, and each mixed first row is
-     an m-sparse convex combination of its entries. Greedy simplex pursuit (add the entry
+     an m-sparse convex combination of its entries. After a public BOS (E.C.known_prefix)
+     every document's row 0 is the BOS's and says nothing: the first position is then 1,
+     whose dictionary is client([BOS, v])_1 (one KV-cached step from the BOS's cache per
+     token), and "first token" below means the token at position 1. Greedy simplex pursuit (add the entry
      whose least-squares fit with the chosen ones, coefficients summing to one, leaves the
      least residual; then swaps while they help; from the `mixup_starts` entries nearest
      the row, in order, until a fit is exact) gives the m first tokens and lam_b. A true
@@ -61,6 +64,13 @@ budget_lib.declare("mixup_rounds", 2, int, low=1,
 budget_lib.declare("mixup_starts", 32, int, low=1, high=budget_lib.VOCAB,
                    doc="mixup_adaptive: pursuit starts per mixed first row (the nearest "
                    "entries, tried until a fit is exact)", source="lla")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def rows_after(params, cache, t, tokens, cfg):
+  """[n, d] the client's row at position t of each token in tokens [n], after the prefix
+  whose keys/values cache [k, 2, T, H, D] holds."""
+  return jax.vmap(lambda token: split.client_step_kv(params, cfg, cache, token, t)[0])(tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -244,28 +254,30 @@ class MixupAdaptive:
       raise ValueError(f"mixup m={m} must be >= 1")
     cfg, d, vocab, seq_len = ws.cfg, ws.cfg.n_embd, ws.cfg.vocab_size, ws.seq_len
     per_token = ws.cut * cost.token_block_flops(cfg, seq_len)  # a client forward
-    analytic = vocab * per_token
-    table = ws.map_call(first_rows, (np.arange(vocab, dtype=np.int32),), 64.0 * d,
-                        consts=(ws.params,), cfg=cfg, k=ws.cut).astype(np.float64)
+    first = len(ws.known_prefix)  # the first position whose token is not public
+    analytic = (vocab + first) * per_token  # the dictionary, after the prefix's own step
+    table = self._dictionary(ws).astype(np.float64)
     norms2 = np.sum(table**2, -1)
     y = ws.activations.astype(np.float64)
     # Step 1: the m first tokens and the coefficients of every row.
     texts = np.zeros((ws.num_docs, m, seq_len), np.int32)
+    texts[:, :, :first] = np.asarray(ws.known_prefix, np.int32)
     lam = np.zeros((ws.num_docs, m))
     residual0, starts_tried = [], 0
     for b in range(ws.num_docs):
-      chosen, w, tried = pursuit(table, norms2, y[b, 0], m, int(budget.mixup_starts))
-      texts[b, :, 0], lam[b] = chosen, w
+      chosen, w, tried = pursuit(table, norms2, y[b, first], m, int(budget.mixup_starts))
+      texts[b, :, first], lam[b] = chosen, w
       starts_tried += tried
-      residual0.append(float(np.linalg.norm(y[b, 0] - w @ table[chosen])
-                             / np.linalg.norm(y[b, 0])))
+      residual0.append(float(np.linalg.norm(y[b, first] - w @ table[chosen])
+                             / np.linalg.norm(y[b, first])))
     # Each start: m - 1 additions and up to 2m sweeps of m swaps, a simplex fit per entry.
     ws.count_host(starts_tried * (m + 2 * m * m) * vocab
                   * (2.0 * d * (m + 1) + 10.0 * (m + 1)**3))
     # Step 2a: per batch, unmix all positions at once where the rows' partners link up.
-    unmixed, owner, ambiguous = self._unmix(ws, budget, texts[:, :, 0], lam, y)
+    unmixed, owner, ambiguous = self._unmix(ws, budget, texts[:, :, first], lam, y)
     linked = ~np.isnan(unmixed[:, 0, 0])
-    stats = {"m": m, "position0_residual_median": float(np.median(residual0)),
+    stats = {"m": m, "first_position": first,
+             "first_row_residual_median": float(np.median(residual0)),
              "pursuit_starts_mean": starts_tried / ws.num_docs,
              "rows_unmixed": int(linked.sum()), "ambiguous_first_tokens": ambiguous,
              "coefficients_mean_max": float(lam.max(1).mean())}
@@ -276,15 +288,12 @@ class MixupAdaptive:
                                    stats)
     # Step 2b: rows of batches that do not link, position by position.
     num = min(int(budget.mixup_candidates), vocab)
-    cache = np.zeros((ws.num_docs, m, ws.cut, 2, seq_len, cfg.n_kv_head, cfg.head_dim), np.float32)
-    _, kv = ws.map_call(partner_rows, (cache, texts[:, :, :1]), self._bytes(ws, m, 1),
-                        consts=(ws.params, jnp.int32(0)), cfg=cfg)
-    cache[:, :, :, :, 0] = kv[:, :, 0]
-    analytic += ws.num_docs * m * per_token
+    cache = self._prefix_cache(ws, texts[:, :, :first + 1])
+    analytic += ws.num_docs * m * per_token * (first + 1)
     decoder = ws.decoder
     safe = np.maximum(lam, 1e-3)[..., None]
     residuals = []
-    for t in range(1, seq_len):
+    for t in range(first + 1, seq_len):
       target = y[:, t]
       current = None
       for _ in range(int(budget.mixup_rounds)):
@@ -330,10 +339,34 @@ class MixupAdaptive:
     return registry.AttackResult(predictions.astype(np.int32), analytic, {
         **stats, "mixture_residual_median_by_position": residuals})
 
+  def _dictionary(self, ws: Workspace) -> np.ndarray:
+    """[V, d] every token's client row at the first position after the known prefix."""
+    vocab, d = ws.cfg.vocab_size, ws.cfg.n_embd
+    tokens = np.arange(vocab, dtype=np.int32)
+    if not ws.known_prefix:
+      return ws.map_call(first_rows, (tokens,), 64.0 * d, consts=(ws.params,), cfg=ws.cfg,
+                         k=ws.cut)
+    prefix = np.broadcast_to(np.asarray(ws.known_prefix, np.int32), (1, 1, len(ws.known_prefix)))
+    cache = self._prefix_cache(ws, prefix)[0, 0]
+    return ws.map_call(rows_after, (tokens,), 64.0 * d,
+                       consts=(ws.params, cache, jnp.int32(len(ws.known_prefix))), cfg=ws.cfg)
+
+  def _prefix_cache(self, ws: Workspace, tokens: np.ndarray) -> np.ndarray:
+    """[n, m, k, 2, T, H, D] the keys/values of tokens [n, m, L] at positions < L."""
+    cfg = ws.cfg
+    n, m, length = tokens.shape
+    cache = np.zeros((n, m, ws.cut, 2, ws.seq_len, cfg.n_kv_head, cfg.head_dim), np.float32)
+    for t in range(length):
+      _, kv = ws.map_call(partner_rows, (cache, np.ascontiguousarray(tokens[:, :, t:t + 1])),
+                          self._bytes(ws, m, 1), consts=(ws.params, jnp.int32(t)), cfg=cfg)
+      cache[:, :, :, :, t] = kv[:, :, 0]
+    return cache
+
   def _unmix(self, ws: Workspace, budget, first: np.ndarray, lam: np.ndarray, y: np.ndarray):
     """Step 2a. A document is the m slots (row, partner) holding it; within a capture batch
-    the slots sharing a first token are split into documents (where several documents
-    share it, the split whose unmixed position-1 rows are closest to client rows wins).
+    the slots sharing a first token (first [B, m], the tokens at the first position after
+    the known prefix) are split into documents (where several documents share it, the
+    split whose unmixed rows at the next position are closest to client rows wins).
     Then Y_t = Lam H_t for every t: H = Lam^-1 Y.
 
     Returns (unmixed [B, T, d] float64, NaN in batches that do not link; owner [B] the
@@ -378,11 +411,13 @@ class MixupAdaptive:
     return mixing
 
   def _closeness(self, ws: Workspace, budget, chosen, rows, lam, y, token: int) -> float:
-    """How far the unmixed position-1 rows of the documents starting with `token` are
-    from the client's rows of (token, c) for their ridge candidates c (relative)."""
+    """How far the unmixed rows at position p + 1 (p the first position after the known
+    prefix) of the documents whose token p is `token` are from the client's rows of
+    (prefix, token, c) for their ridge candidates c (relative)."""
+    first = len(ws.known_prefix)
     docs = [g for v in sorted(chosen) for g in chosen[v]]
     mixing = self._mixing(docs, rows, lam)
-    h1 = np.linalg.solve(mixing, y[rows, 1])
+    h1 = np.linalg.solve(mixing, y[rows, first + 1])
     mine = [n for n, g in enumerate(docs) if first_token_of(g, chosen) == token]
     targets = h1[mine].astype(np.float32)
     num = min(int(budget.mixup_candidates), ws.cfg.vocab_size)
@@ -390,14 +425,11 @@ class MixupAdaptive:
     proposals = np.asarray(ws.call(cand_lib.decoded_nearest_tokens, decoder.weights,
                                    decoder.mu_h, decoder.mu_e, ws.wte, jnp.asarray(targets),
                                    num=num))
-    cfg = ws.cfg
-    cache = np.zeros((len(mine), 1, ws.cut, 2, ws.seq_len, cfg.n_kv_head, cfg.head_dim),
-                     np.float32)
-    _, kv = ws.call(partner_rows, ws.params, jnp.int32(0), cache,
-                    np.full((len(mine), 1, 1), token, np.int32), cfg=cfg)
-    cache[:, :, :, :, 0] = np.asarray(kv)[:, :, 0]
-    candidate_rows, _ = ws.call(partner_rows, ws.params, jnp.int32(1), cache,
-                                proposals[:, None], cfg=cfg)
+    prefix = np.broadcast_to(np.asarray((*ws.known_prefix, token), np.int32),
+                             (len(mine), 1, first + 1))
+    cache = self._prefix_cache(ws, prefix)
+    candidate_rows, _ = ws.call(partner_rows, ws.params, jnp.int32(first + 1), cache,
+                                proposals[:, None], cfg=ws.cfg)
     err = np.linalg.norm(np.asarray(candidate_rows)[:, 0] - targets[:, None], axis=-1)
     return float(np.sum(err.min(-1) / np.linalg.norm(targets, axis=-1)))
 

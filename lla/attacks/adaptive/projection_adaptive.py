@@ -18,7 +18,8 @@ vmapped over documents, beams and candidates):
       times its maximum (at least float32's epsilon) is the acceptance threshold.
   G1. Position 0: the client's row of every vocabulary token at position 0 (one batched
       forward); a document's candidates are all tokens ranked by
-      |norm(client(v)_0) - norm(y_0)| (stable: ties to the lower token id).
+      |norm(client(v)_0) - norm(y_0)| (stable: ties to the lower token id). After a public
+      BOS (E.C.known_prefix) the only candidate is the BOS.
   G2. Positions t >= 1: the rows already chosen in every document (K: each document's
       best beam before t; rows that matched are exact, the rows of a document whose
       prefix stopped matching approximate) span a subspace with orthonormal basis B;
@@ -564,14 +565,18 @@ class _GramRun:
     tolerance = float(budget.projection_tolerance_factor) * residual
     y = ws.activations.astype(np.float64)
     norm2 = np.maximum(np.sum(y * y, -1), np.finfo(np.float32).tiny)
-    # G1: every token's row at position 0; each document's tokens by norm distance.
-    table = ws.map_call(first_rows, (np.arange(vocab, dtype=np.int32),), 64.0 * d,
-                        consts=(ws.params,), cfg=ws.cfg, k=ws.cut)
-    self.analytic += vocab * self.per_token
-    distance = np.abs(np.linalg.norm(table.astype(np.float64), axis=-1)[None]
-                      - np.sqrt(norm2[:, 0])[:, None])
-    first_order = np.argsort(distance, axis=1, kind="stable").astype(np.int32)
-    ws.count_host(2.0 * vocab * d + 3.0 * num_docs * vocab * math.log2(vocab))
+    # G1: every token's row at position 0; each document's tokens by norm distance. After
+    # a public BOS, position 0 is that token (one candidate, verified like any other).
+    if ws.known_prefix:
+      first_order = np.full((num_docs, 1), ws.known_prefix[0], np.int32)
+    else:
+      table = ws.map_call(first_rows, (np.arange(vocab, dtype=np.int32),), 64.0 * d,
+                          consts=(ws.params,), cfg=ws.cfg, k=ws.cut)
+      self.analytic += vocab * self.per_token
+      distance = np.abs(np.linalg.norm(table.astype(np.float64), axis=-1)[None]
+                        - np.sqrt(norm2[:, 0])[:, None])
+      first_order = np.argsort(distance, axis=1, kind="stable").astype(np.int32)
+      ws.count_host(2.0 * vocab * d + 3.0 * num_docs * vocab * math.log2(vocab))
     h_cal = ws.calibration_activations()
     self.analytic += adaptive.client_flops(ws, ws.calibration_tokens.size)
     forward = ForwardMap(ws, h_cal, float(budget.ridge_alpha))

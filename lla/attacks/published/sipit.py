@@ -36,7 +36,11 @@ Acceptance: the relative distance ||client(prefix + [v])_t - h_t|| / ||h_t|| mus
 a tolerance calibrated on the attacker's calibration documents, namely the largest relative
 discrepancy between the batched client (how a capture is computed) and the KV-cached
 recomputation of their true prefixes (at least float32's epsilon), times
-`sipit_tolerance_factor`. Under `trained` knowledge (the attacker's weights differ from the
+`sipit_tolerance_factor`. Position 0 has a tolerance of its own, calibrated on position 0
+alone: it is the attention sink, whose row carries the massive activations (SmolLM2: norm
+~800 against ~80 elsewhere), so its relative rounding is another size, and a tolerance
+taken from the other positions would be ~10x laxer there in absolute terms
+(model-families.md 4.4). Under `trained` knowledge (the attacker's weights differ from the
 client's) nothing matches: such a position takes the nearest candidate verified (the whole
 vocabulary's nearest with `sipit_brute_force`), and the record counts these fallbacks.
 
@@ -94,7 +98,7 @@ from lla.model.gpt2 import GPT2Config
 
 STAGES = ("proposals", "refine", "policy", "brute_force")
 # How a position was settled (the `resolved` statistic).
-RESOLUTIONS = STAGES + ("shared_position0", "fallback")
+RESOLUTIONS = STAGES + ("shared_position0", "fallback", "known_prefix")
 _FIRST_BRUTE_CHUNK = 16
 # Iterations per compiled call of the refinement and of the policy (`Workspace.scan`): one
 # host round trip per block instead of one per iteration. A document that stops inside a
@@ -484,9 +488,10 @@ class Calibration:
   """What SipIt learns from the attacker's calibration documents.
 
   Attributes:
-    tolerance: the acceptance tolerance on the relative distance.
+    tolerance: the acceptance tolerance on the relative distance at positions t >= 1.
     discrepancy: the largest relative distance between the batched client and the
-      KV-cached recomputation of the true prefixes.
+      KV-cached recomputation of the true prefixes at positions t >= 1.
+    first_tolerance, first_discrepancy: the same at position 0 (the attention sink).
     contraction: the median over calibration positions of the residual ratio after one
       refinement step from the ridge decode (None when refinement is off); the
       refinement stage runs only where it is below 1.
@@ -495,6 +500,23 @@ class Calibration:
   tolerance: float
   discrepancy: float
   contraction: float | None
+  first_tolerance: float
+  first_discrepancy: float
+
+  @classmethod
+  def of(cls, worst, factor: float, contraction: float | None) -> "Calibration":
+    """From the largest discrepancy at each position, worst [T]: position 0's class and
+    the others' (position 0's for both when T = 1), each tolerance `factor` times its
+    discrepancy, at least float32's epsilon."""
+    worst = np.asarray(worst, np.float64)
+    first = float(worst[0])
+    rest = float(worst[1:].max()) if len(worst) > 1 else first
+    eps = float(np.finfo(np.float32).eps)
+    return cls(factor * max(rest, eps), rest, contraction, factor * max(first, eps), first)
+
+  def at(self, positions) -> np.ndarray:
+    """The tolerance of each position in `positions`."""
+    return np.where(np.asarray(positions) == 0, self.first_tolerance, self.tolerance)
 
   @property
   def refine(self) -> bool:
@@ -505,7 +527,9 @@ def calibrate(ws: Workspace, settings: Settings, meter: Meter,
               decoder: ridge.RidgeDecoder) -> Calibration:
   """Recomputes the first calibration documents position by position with the KV cache:
   the tolerance is the largest relative distance to the batched client (at least float32's
-  epsilon) times the safety factor; the refinement's contraction is measured on the way."""
+  epsilon) times the safety factor, at position 0 and at the others separately (a
+  calibration document of one token leaves position 0's for both); the refinement's
+  contraction is measured on the way."""
   cfg, k, params = ws.cfg, ws.cut, ws.params
   tokens = np.asarray(ws.calibration_tokens[:settings.calibration_docs], np.int32)
   n, seq_len = tokens.shape
@@ -518,7 +542,7 @@ def calibrate(ws: Workspace, settings: Settings, meter: Meter,
   cache = jnp.zeros((n, k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
   visited = jnp.zeros((n, cfg.vocab_size), jnp.bool_)
   idx, ones = jnp.arange(n, dtype=jnp.int32), jnp.ones((n, 1), jnp.bool_)
-  worst, contractions = 0.0, []
+  worst, contractions = np.zeros(seq_len), []
   for t in range(seq_len):
     tt = jnp.int32(t)
     if settings.refine_iters:
@@ -528,13 +552,12 @@ def calibrate(ws: Workspace, settings: Settings, meter: Meter,
     _, record = meter("calibration", n * step, verify, params, cache, batched, visited,
                       empty_record(cfg, k, n), idx, jnp.full((n,), t, jnp.int32),
                       jnp.asarray(tokens[:, t:t + 1]), ones, cfg=cfg)
-    worst = max(worst, float(np.max(np.asarray(record["rel"]))))
+    worst[t] = float(np.max(np.asarray(record["rel"])))
     cache = meter("calibration", 0.0, commit, cache, record, tt)
-  if not math.isfinite(worst):
+  if not np.all(np.isfinite(worst)):
     raise FloatingPointError("sipit: the calibration documents give a non-finite discrepancy")
-  discrepancy = max(worst, float(np.finfo(np.float32).eps))
   contraction = float(np.median(np.concatenate(contractions))) if contractions else None
-  return Calibration(settings.tolerance_factor * discrepancy, worst, contraction)
+  return Calibration.of(worst, settings.tolerance_factor, contraction)
 
 
 def merge_proposals(gradient: np.ndarray | None, ridge_ranked: np.ndarray | None,
@@ -863,14 +886,16 @@ class ChunkSearch:
     return [(active[:, i], value[:, i], rel[d]) for i, d in enumerate(docs)]
 
 
-def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter: Meter,
+def search_documents(ws: Workspace, settings: Settings, calibration: Calibration, meter: Meter,
                      proposals: np.ndarray, counts: np.ndarray, e_hat: np.ndarray,
                      inverse: np.ndarray) -> dict:
   """Every document searched, in chunks: statistics [B, T, ...] (see ChunkSearch).
 
   Position 0 depends on its token alone, so it is searched once per distinct h_0 (in a
   pass of its own, so that the sharing does not depend on the chunking); its result is
-  the prefix of every document with that h_0. A document whose position 0 no token
+  the prefix of every document with that h_0. Documents that start with a public BOS
+  (`ws.known_prefix`) search nothing there: every search starts from its cache
+  (`known_position0`). A document whose position 0 no token
   reproduces after the brute force has tried the whole vocabulary has messages that the
   attacker's client cannot produce exactly (inexact weights, or a defense that altered h);
   without `brute_force_inexact` its later positions take the nearest candidate that the
@@ -879,29 +904,66 @@ def search_documents(ws: Workspace, settings: Settings, tolerance: float, meter:
   """
   h, doc_index = ws.activations, ws.doc_index
   per_doc = bytes_per_doc(ws, settings, proposals.shape[-1])
-  rows = np.ascontiguousarray(h[:, 0]).view(np.dtype((np.void, h.dtype.itemsize * h.shape[-1])))
-  _, first, group = np.unique(rows.reshape(-1), return_index=True, return_inverse=True)
-  source = first[group.reshape(-1)]        # each document's first document with its h_0
-  shared = source != np.arange(ws.num_docs)
   everyone = np.ones(ws.num_docs, bool)
-  head = ws.map_documents(ChunkSearch(ws, settings, tolerance, meter, (0,), inverse),
-                          (h, proposals, counts, e_hat, doc_index, ~shared, everyone), per_doc)
-  out = {key: value[source] for key, value in head.items() if key != "kv"}
-  out["verified"][shared] = 0
-  out["iterations"][shared] = 0
   fallback = RESOLUTIONS.index("fallback")
-  inexact = (out["resolved"][:, 0] == fallback) & settings.brute_force
+  if ws.known_prefix:
+    out, prefix_kv = known_position0(ws, meter)
+    inexact = (out["rel"][:, 0] > calibration.first_tolerance) & settings.brute_force
+  else:
+    rows = np.ascontiguousarray(h[:, 0]).view(np.dtype((np.void, h.dtype.itemsize * h.shape[-1])))
+    _, first, group = np.unique(rows.reshape(-1), return_index=True, return_inverse=True)
+    source = first[group.reshape(-1)]        # each document's first document with its h_0
+    shared = source != np.arange(ws.num_docs)
+    head = ws.map_documents(ChunkSearch(ws, settings, calibration.first_tolerance, meter, (0,),
+                                        inverse),
+                            (h, proposals, counts, e_hat, doc_index, ~shared, everyone), per_doc)
+    out = {key: value[source] for key, value in head.items() if key != "kv"}
+    prefix_kv = head["kv"][source]
+    out["verified"][shared] = 0
+    out["iterations"][shared] = 0
+    inexact = (out["resolved"][:, 0] == fallback) & settings.brute_force
+    out["resolved"][shared] = np.where(out["resolved"][shared] == fallback, fallback,
+                                       RESOLUTIONS.index("shared_position0"))
   brute = ~inexact | settings.brute_force_inexact
-  out["resolved"][shared] = np.where(out["resolved"][shared] == fallback, fallback,
-                                     RESOLUTIONS.index("shared_position0"))
   if ws.seq_len > 1:
     tail = ws.map_documents(
-        ChunkSearch(ws, settings, tolerance, meter, range(1, ws.seq_len), inverse),
-        (h, proposals, counts, e_hat, doc_index, everyone, brute, head["kv"][source]),
-        per_doc)
+        ChunkSearch(ws, settings, calibration.tolerance, meter, range(1, ws.seq_len), inverse),
+        (h, proposals, counts, e_hat, doc_index, everyone, brute, prefix_kv), per_doc)
     out = {key: np.concatenate([out[key], tail[key]], axis=1) for key in out}
   out["inexact_documents"] = inexact
   return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "seq_len"))
+def known_row(params, token, cfg: GPT2Config, k: int, seq_len: int):
+  """(h_0 [d], its keys/values [k, 2, H, D]): the client's row of `token` at position 0."""
+  cache = jnp.zeros((k, 2, seq_len, cfg.n_kv_head, cfg.head_dim), jnp.float32)
+  return split.client_step_kv(params, cfg, cache, token, jnp.int32(0))
+
+
+def known_position0(ws: Workspace, meter: Meter) -> tuple[dict, np.ndarray]:
+  """Position 0 of documents that start with a public BOS: (its statistics [B, 1, ...], as
+  ChunkSearch's, resolved "known_prefix"; its keys/values [B, k, 2, H, D]).
+
+  The BOS's row is computed once. Its relative distance to each document's h_0 is
+  recorded: with exact weights and no defense it is float rounding, and beyond the
+  tolerance it says, before any search, that the attacker's client does not reproduce
+  the messages (as an unmatched position 0 does without a BOS).
+  """
+  cfg, k, n = ws.cfg, ws.cut, ws.num_docs
+  token = ws.known_prefix[0]
+  row, kv = meter("known_prefix", token_step_flops(cfg, k, ws.seq_len), known_row, ws.params,
+                  jnp.int32(token), cfg=cfg, k=k, seq_len=ws.seq_len)
+  h0 = ws.activations[:, 0].astype(np.float64)
+  scale = np.maximum(np.sum(h0**2, -1), np.finfo(np.float32).tiny)
+  rel = np.sqrt(np.sum((np.asarray(row, np.float64)[None] - h0) ** 2, -1) / scale)
+  out = {"tokens": np.full((n, 1), token, np.int32),
+         "rel": rel.astype(np.float32)[:, None],
+         "runner": np.full((n, 1), np.inf, np.float32),
+         "verified": np.zeros((n, 1, len(STAGES)), np.int32),
+         "iterations": np.zeros((n, 1, 2), np.int32),
+         "resolved": np.full((n, 1), RESOLUTIONS.index("known_prefix"), np.int8)}
+  return out, np.broadcast_to(np.asarray(kv), (n, *kv.shape))
 
 
 def bytes_per_doc(ws: Workspace, settings: Settings, num_proposals: int) -> float:
@@ -953,7 +1015,7 @@ class SipIt:
 
     if not calibration.refine:
       settings = dataclasses.replace(settings, refine_iters=0)
-    out = search_documents(ws, settings, calibration.tolerance, meter, proposals, counts, e_hat,
+    out = search_documents(ws, settings, calibration, meter, proposals, counts, e_hat,
                            decoder.weights)
     details = _details(out, settings, calibration, meter, ws, shared, gradient is not None)
     return registry.AttackResult(out["tokens"].astype(np.int32),
@@ -964,13 +1026,16 @@ def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> d
   """The record's statistics: acceptance, where the candidates and the FLOPs went."""
   tolerance = calibration.tolerance
   positions = out["tokens"].size
-  accepted = out["rel"] <= tolerance
+  tol = calibration.at(np.arange(out["rel"].shape[1]))[None]  # each position's class
+  accepted = out["rel"] <= tol
   resolved = {name: int(np.sum(out["resolved"] == i)) for i, name in enumerate(RESOLUTIONS)}
-  runner = out["runner"][accepted]
-  runner = runner[np.isfinite(runner)]
+  finite = accepted & np.isfinite(out["runner"])
+  runner = out["runner"][finite]
+  margin = (out["runner"] / tol)[finite]
   verified = out["verified"]
   iterations = out["iterations"]
-  own = {stage: meter.xla[stage] for stage in ("calibration", "decode") + STAGES + ("commit",)}
+  own = {stage: meter.xla[stage]
+         for stage in ("calibration", "decode", "known_prefix") + STAGES + ("commit",)}
   stages = {name: ws.costs[name].flops for name in sorted(set(shared))}
   fallbacks = resolved["fallback"]
   inexact = int(out["inexact_documents"].sum())
@@ -986,6 +1051,8 @@ def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> d
   return {
       "tolerance": tolerance,
       "calibration_discrepancy": calibration.discrepancy,
+      "tolerance_position0": calibration.first_tolerance,
+      "calibration_discrepancy_position0": calibration.first_discrepancy,
       "refine_contraction": calibration.contraction,
       "refine_used": calibration.refine,
       "tolerance_factor": settings.tolerance_factor,
@@ -1004,7 +1071,7 @@ def _details(out, settings, calibration, meter, ws, shared, used_gradients) -> d
                                       if np.any(iterations[..., i] > 0) else 0.0)
          for i, stage in enumerate(("refine", "policy"))},
       "max_policy_iterations": int(iterations[..., 1].max()),
-      "runner_up_margin": _finite(runner.min() / tolerance) if runner.size else None,
+      "runner_up_margin": _finite(margin.min()) if margin.size else None,
       "runner_up_min_distance": _finite(runner.min()) if runner.size else None,
       "accepted_max_distance": _finite(out["rel"][accepted].max()) if accepted.any() else None,
       "proposals": {"gradient": settings.gradient_candidates if used_gradients else 0,

@@ -6,6 +6,8 @@ every (beam, candidate) pair runs one cached client step; its cost is
 survive. Pairs are flattened beam-major (`w * C + c`) and `lax.top_k` is stable, so ties
 go to the lower beam index (beams are kept sorted, best first), then the lower candidate
 rank. Position 0 is the same step from one empty beam: the other W-1 start at +inf.
+Documents that start with a public token (a BOS, `prefix`) start the search after it: the
+prefix runs as that step with the one known candidate, so the beams begin from its cache.
 
 One step is one position for all documents, vmapped over documents, beams and
 candidates, so each block's matmuls run as `[docs * W * C, d] x [d, 4d]` GEMMs.
@@ -80,7 +82,7 @@ def step(params, state, t: jax.Array, candidates_t: jax.Array, target_t: jax.Arr
 
 
 def search(params, cfg: GPT2Config, k: int, target, candidates, width: int,
-           scan=workspace.run_steps):
+           scan=workspace.run_steps, prefix: tuple[int, ...] = ()):
   """Beam search over the documents of one chunk.
 
   The positions run as one compiled loop of `step` (`scan` is `Workspace.scan` in an
@@ -93,6 +95,8 @@ def search(params, cfg: GPT2Config, k: int, target, candidates, width: int,
     target: [B, T, d] observed forward messages.
     candidates: [B, T, C] int32 candidate tokens per position, best first.
     width: beam width W; W > C is allowed (beams without a finite path stay at +inf).
+    prefix: the P tokens every document starts with, public (a BOS): positions < P take
+      them (one candidate each) and the candidates there are not read.
 
   Returns:
     (tokens [B, T] of the best beam, score [B] its summed squared distance).
@@ -100,14 +104,22 @@ def search(params, cfg: GPT2Config, k: int, target, candidates, width: int,
   _validate(cfg, k, target, candidates, width)
   target, candidates = jnp.asarray(target), jnp.asarray(candidates, jnp.int32)
   state = start(target, cfg=cfg, k=k, width=width)
-  _, tokens, scores = scan(step, (params,), state, positions(target, candidates), cfg=cfg)
+  skip = len(prefix)
+  if skip:
+    known = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32)[None, :, None],
+                             (target.shape[0], skip, 1))
+    state = scan(step, (params,), state, positions(target[:, :skip], known), cfg=cfg)
+  _, tokens, scores = scan(step, (params,), state,
+                           positions(target[:, skip:], candidates[:, skip:], skip), cfg=cfg)
   return tokens[:, 0], scores[:, 0]
 
 
-def positions(target: jax.Array, candidates: jax.Array) -> tuple:
-  """The loop's inputs, position-major: (t [T], candidates [T, B, C], target [T, B, d])."""
-  return (jnp.arange(target.shape[1], dtype=jnp.int32), jnp.swapaxes(candidates, 0, 1),
-          jnp.swapaxes(target, 0, 1))
+def positions(target: jax.Array, candidates: jax.Array, first: int = 0) -> tuple:
+  """The loop's inputs, position-major, for the positions first, first + 1, ... of
+  target [B, T', d] and candidates [B, T', C]: (t [T'], candidates [T', B, C],
+  target [T', B, d])."""
+  return (jnp.arange(first, first + target.shape[1], dtype=jnp.int32),
+          jnp.swapaxes(candidates, 0, 1), jnp.swapaxes(target, 0, 1))
 
 
 def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:
@@ -122,8 +134,9 @@ def _validate(cfg: GPT2Config, k: int, target, candidates, width: int) -> None:
 
 
 def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candidates: int,
-                   seq_len: int) -> float:
-  """Matmul FLOPs of the search: W*C one-token client steps per position and document.
+                   seq_len: int, prefix: int = 0) -> float:
+  """Matmul FLOPs of the search: W*C one-token client steps per position and document
+  (W at each of the `prefix` known positions, whose one candidate every beam runs).
 
   Per step and block: every weight matrix once, 2 FLOPs an entry (GPT-2: qkv 6d^2, output
   projection 2d^2, MLP 16d^2; a RoPE family: q, k, v with GQA's narrower k and v, o, a
@@ -133,4 +146,5 @@ def analytic_flops(cfg: GPT2Config, k: int, num_docs: int, width: int, num_candi
   d = cfg.n_embd
   per_token_block = cost.token_block_flops(cfg, seq_len)
   per_token = k * per_token_block + 2.0 * d  # + the cost's squared distance
-  return float(num_docs) * seq_len * width * num_candidates * per_token
+  steps = (seq_len - prefix) * num_candidates + prefix
+  return float(num_docs) * steps * width * per_token

@@ -36,7 +36,7 @@ class BeamAttack:
     width = int(budget.beam_width)
     predictions = run_beam(ws, candidates, width)
     analytic = beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, candidates.shape[-1],
-                                   ws.seq_len)
+                                   ws.seq_len, len(ws.known_prefix))
     return registry.AttackResult(predictions, analytic,
                                  {"candidates_per_position": int(candidates.shape[-1])})
 
@@ -49,7 +49,8 @@ def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
 
 def run_beam(ws: Workspace, candidates: np.ndarray, width: int) -> np.ndarray:
   """Beam search over all documents in memory-bounded chunks: predictions [B, T] int32."""
-  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan)[0]
+  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
+                                    prefix=ws.known_prefix)[0]
   predictions = ws.map_documents(search, (ws.activations, candidates.astype(np.int32)),
                                  beam_bytes_per_doc(ws, width, candidates.shape[-1]))
   return predictions.astype(np.int32)

@@ -1,0 +1,193 @@
+"""The BOS policy: a tokenizer that prepends BOS makes position 0 public.
+
+Checked against what the text, the file and the arithmetic say: passages are the BOS and
+then the stream's own windows; E records the prefix (and an E without one keeps its hash);
+a capture refuses documents that do not start with it; the beam search starts after it
+whatever its candidates say there; and a whole run on a tiny random Llama whose GGUF asks
+for a BOS scores every attack on positions >= 1 only, with the frequency baseline of those
+positions, SipIt exact from the BOS's cache, and the Haar-projection attack exact too.
+"""
+
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import real_weights as real_weights_config
+from lla import defenses
+from lla.attacks import registry
+from lla.attacks.seed import beam
+from lla.attacks.workspace import Workspace
+from lla.capture import capture
+from lla.data import load, tokenizer as tokenizer_lib
+from lla.evidence import rundir
+from lla.model import split
+from lla.model.gpt2 import GPT2Config
+from lla.model.loading import load_model
+from lla.protocol import tuple as protocol
+from lla.study import real_weights
+
+from test_attacks_units import random_params
+from test_real_weights import MIN_CHARS, SEED, _ids, _paragraphs, gguf_file
+
+BOS = 1  # tokenizer.ggml.bos_token_id of tests/test_model_gguf.write_gguf
+T, DOCS, CAL = 16, 4, 16
+
+
+def test_passages_are_the_bos_then_the_streams_windows(data_dir, tmp_path):
+  gpt2 = tokenizer_lib.load_tokenizer(data_dir)
+  with_bos = tokenizer_lib.wrap(gpt2.backend, gpt2.source, bos_id=50256)
+  kwargs = dict(data_dir=data_dir, corpus="clinical", seq_len=8, n_calibration=4, n_train=4,
+                n_eval=6, seed=3, cache_dir=tmp_path)
+  splits = load.load_splits(**kwargs, tokenizer=with_bos)
+  plain = load.load_splits(**kwargs)
+  stream = load.make_corpus("clinical", data_dir, tmp_path, gpt2).tokens("test")
+  assert splits.known_prefix == (50256,) and splits.text_len == 7 and plain.known_prefix == ()
+  for row, doc in zip(splits.evaluation.tokens, splits.evaluation.document_ids):
+    assert row[0] == 50256
+    np.testing.assert_array_equal(row[1:], stream[doc * 7:(doc + 1) * 7])
+  assert splits.to_json()["known_prefix"] == [50256] and "known_prefix" not in plain.to_json()
+  with pytest.raises(ValueError, match="no text after"):
+    load.load_splits(**{**kwargs, "seq_len": 1}, tokenizer=with_bos)
+
+
+def test_e_records_the_prefix_and_an_e_without_one_keeps_its_hash():
+  target = protocol.Target(model_id="m", cut=2)
+  plain = protocol.make(T=target)
+  with_bos = protocol.make(T=target, C=protocol.Corpora(known_prefix=(BOS,)))
+  # E's JSON as written before the field existed: C held name, seq_len and split_hashes.
+  before = plain.to_dict()
+  assert set(before["C"]) == {"name", "seq_len", "split_hashes"}
+  text = json.dumps(before, sort_keys=True, separators=(",", ":")) + "\n"
+  assert hashlib.sha256(text.encode()).hexdigest() == plain.sha256()
+  assert protocol.ProtocolTuple.from_dict(before) == plain
+  assert with_bos.to_dict()["C"]["known_prefix"] == [BOS]
+  assert protocol.ProtocolTuple.from_dict(with_bos.to_dict()) == with_bos
+  assert with_bos.sha256() != plain.sha256()
+
+
+def test_a_capture_refuses_documents_that_do_not_start_with_the_prefix():
+  tokens = np.array([[BOS, 5, 6], [BOS, 7, 8], [4, 9, 10]], np.int32)
+  with pytest.raises(capture.CaptureInputError, match="document 2 does not start"):
+    capture.check_known_prefix(tokens, (BOS,))
+  with pytest.raises(capture.CaptureInputError, match="one public token"):
+    capture.check_known_prefix(tokens, (BOS, 5))
+  with pytest.raises(capture.CaptureInputError, match="nothing after"):
+    capture.check_known_prefix(tokens[:, :1], (BOS,))
+  assert capture.check_known_prefix(tokens[:2], (BOS,)) == (BOS,)
+
+
+def test_the_beam_search_starts_after_the_prefix_whatever_its_candidates_there():
+  cfg = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_head=2, n_layer=3)
+  params = random_params(cfg, seed=2, std=0.05)
+  rng = np.random.default_rng(2)
+  truth = rng.integers(0, 64, (3, 8)).astype(np.int32)
+  truth[:, 0] = BOS
+  h = np.asarray(split.client(params, cfg, jnp.asarray(truth), 2))
+  # The true token at a random rank among 6 at every position, except position 0, whose
+  # candidates do not hold the BOS at all.
+  candidates = np.stack([np.stack([rng.permutation(row) for row in doc]) for doc in
+                         np.concatenate([truth[:, :, None], rng.integers(2, 64, (3, 8, 5))],
+                                        -1)]).astype(np.int32)
+  candidates[:, 0] = 7
+  tokens, score = beam.search(params, cfg, 2, h, candidates, 3, prefix=(BOS,))
+  np.testing.assert_array_equal(np.asarray(tokens), truth)
+  assert np.asarray(score).max() < 1e-6 * float(np.sum(h**2))
+  blind, _ = beam.search(params, cfg, 2, h, candidates, 3)
+  assert (np.asarray(blind)[:, 0] == 7).all()  # without the prefix it could not find BOS
+  # W C steps at each open position, W at the known one.
+  assert beam.analytic_flops(cfg, 2, 3, 3, 6, 8, prefix=1) == pytest.approx(
+      beam.analytic_flops(cfg, 2, 3, 3, 6, 8) * (7 * 6 + 1) / (8 * 6))
+
+
+@pytest.fixture(scope="module")
+def bos_run(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("bos")
+  path = gguf_file(root / "bos.gguf", add_bos=True)
+  config = real_weights_config.get_config("tiny")
+  config.model.gguf = str(path)
+  config.data.data_dir = str(data_dir)
+  config.data.seq_len = T
+  config.cut = 2
+  config.attacks = ("activation", "ridge", "sipit", "gradient_only_t1")
+  card = real_weights.run(config, str(root / "out"))
+  return root, path, card
+
+
+def _drawn(texts, n, seed):
+  """real_weights' draw of paragraphs with T - 1 tokens of text, each after the BOS."""
+  eligible = [i for i, t in enumerate(texts) if len(_ids(t)) >= T - 1]
+  chosen = np.sort(np.random.default_rng(seed).choice(eligible, n, replace=False))
+  return np.asarray([[BOS] + _ids(texts[i])[:T - 1] for i in chosen], np.int32)
+
+
+def test_every_attack_is_scored_after_the_bos(bos_run, data_dir):
+  root, _, card = bos_run
+  docs = _drawn(_paragraphs(data_dir, "test"), DOCS, SEED)
+  calibration = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
+  run = root / "out" / "run"
+  assert rundir.verify(str(run)) == []
+  meta = json.loads((root / "out" / "capture" / "metadata.json").read_text())
+  assert meta["protocol"]["C"]["known_prefix"] == [BOS]
+  baseline = int(np.argmax(np.bincount(calibration[:, 1:].ravel(), minlength=256)))
+  (undefended,) = card["undefended"]
+  records = {r.attack: r for r in rundir.load_records(str(run))}
+  assert sorted(records) == ["activation", "gradient_only_t1", "ridge", "sipit"]
+  for name, record in records.items():
+    truth = np.asarray(rundir.load_truth(rundir.resolve(str(run), record.truth_file)))
+    np.testing.assert_array_equal(truth, docs)
+    assert record.scored_positions == "after_bos" and record.baseline_token == baseline
+    pred = np.load(rundir.resolve(str(run), record.prediction_file))
+    row = undefended["pooled"][name]  # one key per attack: no "[t>=1]" mark after a BOS
+    assert row["n"] == DOCS * (T - 1)
+    assert row["token_recovery"] == pytest.approx((pred[:, 1:] == docs[:, 1:]).mean())
+    assert row["exact_doc_recovery"] == pytest.approx(
+        (pred[:, 1:] == docs[:, 1:]).all(axis=1).mean())
+    assert row["baseline_p0"] == pytest.approx((docs[:, 1:] == baseline).mean())
+  # With the file's own weights: SipIt exact, started from the BOS's cache in every document.
+  sipit = records["sipit"]
+  np.testing.assert_array_equal(np.load(rundir.resolve(str(run), sipit.prediction_file)), docs)
+  assert sipit.details["resolved_by_stage"]["known_prefix"] == DOCS
+  assert sipit.details["resolved_by_stage"]["shared_position0"] == 0
+  assert np.load(rundir.resolve(str(run), records["activation"].prediction_file))[:, 0].tolist() \
+      == [BOS] * DOCS
+
+
+def test_the_haar_projection_attack_after_a_bos(bos_run, data_dir):
+  _, path, _ = bos_run
+  model = load_model(ml_collections.ConfigDict({"gguf": str(path)}))
+  truth = _drawn(_paragraphs(data_dir, "test"), 8, SEED + 5)
+  calibration = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
+  h = np.asarray(split.client(model.params, model.cfg, jnp.asarray(truth), 2))
+  keys = defenses.Secret.explicit(0).keys("projection")
+  y = np.asarray(defenses.apply(defenses.make("projection", kind="haar"), jnp.asarray(h), keys))
+  ws = Workspace(y, None, model.params, model.cfg, 2, calibration, known_prefix=(BOS,),
+                 defense={"name": "projection", "params": {"kind": "haar", "enabled": True}})
+  result, _ = registry.execute("projection_adaptive", ws, registry.budget_config(),
+                               jax.random.key(0))
+  np.testing.assert_array_equal(result.predictions, truth)
+  assert result.details["exact"], result.details
+
+
+def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_run, data_dir):
+  _, path, _ = bos_run
+  model = load_model(ml_collections.ConfigDict({"gguf": str(path)}))
+  truth = _drawn(_paragraphs(data_dir, "test"), 8, SEED + 5)
+  calibration = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
+  h = np.asarray(split.client(model.params, model.cfg, jnp.asarray(truth), 2))
+  mixed, lam, partners = defenses.make("mixup", m=2).mix(jnp.asarray(h), jax.random.key(11))
+  lam, partners = np.asarray(lam), np.asarray(partners)
+  # Every document's row 0 is the BOS's: the mixture there says nothing about the partners.
+  np.testing.assert_allclose(np.asarray(mixed)[:, 0], np.broadcast_to(h[0, 0], h[:, 0].shape),
+                             rtol=1e-5, atol=1e-5 * np.abs(h[0, 0]).max())
+  ws = Workspace(np.asarray(mixed), None, model.params, model.cfg, 2, calibration,
+                 known_prefix=(BOS,), defense={"name": "mixup", "params": {"m": 2, "alpha": 1.0}})
+  result, _ = registry.execute("mixup_adaptive", ws, registry.budget_config(), jax.random.key(0))
+  heaviest = truth[partners[np.arange(len(truth)), lam.argmax(1)]]
+  np.testing.assert_array_equal(result.predictions, heaviest)
+  assert result.details["first_position"] == 1 and result.details["rows_unmixed"] == 8
+  assert result.details["first_row_residual_median"] < 1e-5
