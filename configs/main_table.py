@@ -8,7 +8,8 @@ Variants (`:ARG`):
          3 fine-tuned models, k in {3, 6}, public knowledge at both cuts and trained at k=6,
          128 evaluation documents; sized for 2 CPU cores.
   paper  GPT-2 124M from --config.model.hf_dir (or the hub), 10 models x 2 attack seeds,
-         k in {3, 6}, public and trained, 256 evaluation documents: for a GPU or TPU.
+         k in {3, 6}, public and trained, 256 evaluation documents, the decoy split on the
+         same directory at k = 6: for a GPU or TPU.
   paper_llama32, paper_qwen3
          the `paper` protocol on a Llama-3.2-1B- or Qwen3-0.6B-class model, its published
          weights and tokenizer from a save_pretrained directory (config.json, safetensors,
@@ -169,6 +170,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # a 2-layer model) on CPU, 3 seeds so that its gate can decide; paper: 9 seeds of `cpu`.
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
   config.decoy.num_seeds = 9 if paper else 3
+  if variant == "paper":
+    # On the job's own base, at the job's cut, when a directory holds it (an override of
+    # --config.model.hf_dir is this field too); from the hub, its own random GPT-2. The
+    # 0.6-1B variants keep theirs: the decoy split cuts WikiText-2 with GPT-2's tokenizer.
+    config.decoy.model.hf_dir = config.model.get_ref("hf_dir")
+    config.decoy.model.cut = 6
   config.scoring = scoring.get_config()
   # The qualification matrix's test checks (each module's AttackSpec.checks): their status is
   # a recorded pytest outcome logged in the study (lla.study.qualification), never assumed.

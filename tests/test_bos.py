@@ -32,7 +32,7 @@ from lla.protocol import tuple as protocol
 from lla.study import real_weights
 
 from test_attacks_units import random_params
-from test_real_weights import MIN_CHARS, SEED, _ids, _paragraphs, gguf_file
+from test_real_weights import SEED, _ids, _paragraphs, gguf_file
 
 BOS = 1  # tokenizer.ggml.bos_token_id of tests/test_model_gguf.write_gguf
 T, DOCS, CAL = 16, 4, 16
@@ -157,12 +157,18 @@ def test_every_attack_is_scored_after_the_bos(bos_run, data_dir):
       == [BOS] * DOCS
 
 
-def test_the_haar_projection_attack_after_a_bos(bos_run, data_dir):
-  _, path, _ = bos_run
-  model = load_model(ml_collections.ConfigDict({"gguf": str(path)}))
+@pytest.fixture(scope="module")
+def bos_case(bos_run, data_dir):
+  """The GGUF's model, 8 documents after the BOS, calibration passages and h at k = 2."""
+  model = load_model(ml_collections.ConfigDict({"gguf": str(bos_run[1])}))
   truth = _drawn(_paragraphs(data_dir, "test"), 8, SEED + 5)
   calibration = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
   h = np.asarray(split.client(model.params, model.cfg, jnp.asarray(truth), 2))
+  return model, truth, calibration, h
+
+
+def test_the_haar_projection_attack_after_a_bos(bos_case):
+  model, truth, calibration, h = bos_case
   keys = defenses.Secret.explicit(0).keys("projection")
   y = np.asarray(defenses.apply(defenses.make("projection", kind="haar"), jnp.asarray(h), keys))
   ws = Workspace(y, None, model.params, model.cfg, 2, calibration, known_prefix=(BOS,),
@@ -173,12 +179,8 @@ def test_the_haar_projection_attack_after_a_bos(bos_run, data_dir):
   assert result.details["exact"], result.details
 
 
-def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_run, data_dir):
-  _, path, _ = bos_run
-  model = load_model(ml_collections.ConfigDict({"gguf": str(path)}))
-  truth = _drawn(_paragraphs(data_dir, "test"), 8, SEED + 5)
-  calibration = _drawn(_paragraphs(data_dir, "train"), CAL, SEED + 1)
-  h = np.asarray(split.client(model.params, model.cfg, jnp.asarray(truth), 2))
+def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_case):
+  model, truth, calibration, h = bos_case
   mixed, lam, partners = defenses.make("mixup", m=2).mix(jnp.asarray(h), jax.random.key(11))
   lam, partners = np.asarray(lam), np.asarray(partners)
   # Every document's row 0 is the BOS's: the mixture there says nothing about the partners.
@@ -191,3 +193,25 @@ def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_run, d
   np.testing.assert_array_equal(result.predictions, heaviest)
   assert result.details["first_position"] == 1 and result.details["rows_unmixed"] == 8
   assert result.details["first_row_residual_median"] < 1e-5
+
+
+def test_the_quantisation_likelihood_beam_and_tag_after_a_bos(bos_case):
+  """The likelihood beam runs the BOS as its first step and inverts 4-bit quantisation
+  exactly with every token a candidate; TAG (gradient matching, 3 steps here) takes the BOS
+  as its position 0 instead of searching for it, and says so."""
+  model, truth, calibration, h = bos_case
+  defense = defenses.make("quantize", bits=4)
+  y = np.asarray(defenses.apply(defense, jnp.asarray(h), None))
+  ws = Workspace(y, None, model.params, model.cfg, 2, calibration, known_prefix=(BOS,),
+                 defense={"name": "quantize", "params": {"bits": 4}})
+  budget = registry.budget_config()
+  budget.likelihood_candidates = model.cfg.vocab_size
+  result, _ = registry.execute("quantize_adaptive", ws, budget, jax.random.key(0))
+  np.testing.assert_array_equal(result.predictions, truth)
+  _, g = split.boundary_messages(model.params, model.cfg, jnp.asarray(truth), 2)
+  ws = Workspace(h, np.asarray(g), model.params, model.cfg, 2, calibration, known_prefix=(BOS,))
+  budget = registry.budget_config()
+  budget.tag_steps = 3
+  result, _ = registry.execute("tag", ws, budget, jax.random.key(0))
+  assert (result.predictions[:, 0] == BOS).all()
+  assert result.details["position0"] == "the public BOS"

@@ -3,6 +3,7 @@
 import collections
 import json
 import math
+import resource
 
 import numpy as np
 import pytest
@@ -42,6 +43,19 @@ def test_report_has_every_section(finished):
     assert heading in text, heading
   assert (report.parent / "frontier.png").stat().st_size > 1000
   assert (report.parent / "recovery.png").stat().st_size > 1000
+
+
+def test_each_phase_records_the_peak_rss_it_ended_with(finished):
+  """The job ran in this process: every recorded high-water mark is at most this process's
+  now, they never fall, and the report prints each phase's (the next one's start) in GB."""
+  _, workdir, report = finished
+  (invocation,) = json.loads((workdir / main_table.TIMING).read_text())["invocations"]
+  peaks = [p["peak_rss_mb"] for p in invocation["phases"]] + [invocation["peak_rss_mb"]]
+  assert 0 < peaks[0] and peaks == sorted(peaks)
+  assert peaks[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  text = report.read_text()
+  for phase, peak in zip(invocation["phases"], peaks[1:]):
+    assert f"| 1 | {phase['name']} | " in text and f" | {peak / 1024:.1f} |" in text
 
 
 def test_study_verifies_and_rescores(finished):

@@ -223,3 +223,17 @@ def test_with_a_bos_every_document_starts_with_it_and_no_attack_is_scored_there(
   card = json.loads((study / "scorecard.json").read_text())
   assert card["undefended"][0]["pooled"]["activation"]["n"] == 3 * 48 * 31
   assert regenerate.check(str(study)).problems == []
+
+
+def test_paper_runs_the_decoy_split_on_its_own_base_directory():
+  """`paper`'s decoy split reads the job's base directory at the job's cut: an override of
+  --config.model.hf_dir (set after the config is built, as the flag does) reaches it."""
+  config = main_table_config.get_config("paper")
+  assert config.decoy.model.hf_dir == ""  # the hub's GPT-2: the decoy's own random one
+  config.model.hf_dir = "/models/gpt2"
+  assert (config.decoy.model.hf_dir, config.decoy.model.cut) == ("/models/gpt2", 6)
+  assert json.loads(config.to_json())["decoy"]["model"]["hf_dir"] == "/models/gpt2"
+  for variant in ("cpu", "paper_qwen3"):
+    other = main_table_config.get_config(variant)
+    other.model.hf_dir = "/models/x"
+    assert other.decoy.model.hf_dir == ""

@@ -460,14 +460,19 @@ class Workspace:
     h_cal = self.calibration_activations()
     if self.calibration_transform is not None:
       h_cal = np.asarray(self.calibration_transform(h_cal), np.float32)
-    # A known prefix's rows are one constant row per position (a BOS's, with the massive
-    # activations of an attention sink): left out, they would only weigh on the fit.
+    return self.fit_ridge(h_cal, self.wte)
+
+  def fit_ridge(self, h_cal: np.ndarray, table, alpha: float | None = None) -> ridge.RidgeDecoder:
+    """A ridge decoder from calibration rows h_cal [N, T, d] to the rows of table [V, d]
+    of their tokens (host FLOPs counted; `alpha` defaults to the workspace's). A known
+    prefix's rows are left out: one constant row per position (a BOS's, with the massive
+    activations of an attention sink), they would only weigh on the fit."""
     skip = len(self.known_prefix)
-    h_cal, tokens = h_cal[:, skip:], self.calibration_tokens[:, skip:]
-    e_cal = np.asarray(self.wte)[tokens]
-    d, rows = self.cfg.n_embd, tokens.size
-    self.count_host(ridge.ridge_flops(rows, d, d))
-    return ridge.fit_ridge(h_cal, e_cal, self.ridge_alpha)
+    tokens = self.calibration_tokens[:, skip:]
+    d = self.cfg.n_embd
+    self.count_host(ridge.ridge_flops(tokens.size, d, d))
+    return ridge.fit_ridge(np.asarray(h_cal)[:, skip:], np.asarray(table)[tokens],
+                           self.ridge_alpha if alpha is None else alpha)
 
   @functools.cached_property
   def baseline_token(self) -> int:

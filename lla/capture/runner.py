@@ -105,8 +105,8 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   _check_model_source(config.model)
   model = load_model(config.model)
   capture.check_cut(config.cut, model.cfg)
-  # A model that brings its own tokenizer (a GGUF's) cuts the text, and its BOS, if any,
-  # starts every document as a public token.
+  # A model that brings its own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the
+  # text, and its BOS, if any, starts every document as a public token.
   tokenizer = train_models.tokenizer(config.model)
   known_prefix = tokenizer.known_prefix if tokenizer is not None else ()
   if user_tokens is not None:
@@ -136,5 +136,8 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
       workdir, model.params, model.cfg, tokens, ids, int(config.cut), model_id=model.model_id,
       corpus=corpus, split_hashes=hashes, training=bool(config.training),
       batch_size=int(config.batch_size), session_id=config.session_id or None,
-      known_prefix=known_prefix, extra_metadata={"model_source": model.source,  # family/format/dequantisation; GPT-2's records unchanged
-                      **({"model_info": model.info} if model.cfg.family != "gpt2" else {})}, **defense_args)
+      known_prefix=known_prefix,
+      # Family, format and dequantisation; a GPT-2's records are unchanged.
+      extra_metadata={"model_source": model.source,
+                      **({"model_info": model.info} if model.cfg.family != "gpt2" else {})},
+      **defense_args)

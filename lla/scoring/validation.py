@@ -220,6 +220,9 @@ def cases() -> list[Case]:
       Case("token recovery [[1,2,3],[4,5,6]] vs [[1,2,0],[4,5,6]]: 5/6 tokens, "
            "1/2 documents; t>=1: 3/4 tokens", ka, ((5, 6), (1, 2), (3, 4)),
            lambda c: _hand_recovery()),
+      Case("after a BOS: truth [[9,2,3],[9,5,6]], predictions [[0,2,3],[9,5,0]]: "
+           "after_bos 3/4 tokens, 1/2 documents (position 0 unscored)", ka,
+           ((3, 4), (1, 2)), lambda c: _hand_after_bos()),
       Case("baseline p0 of token 7 on [[7,7,1],[7,2,7]]: all 4/6, t>=1 2/4", ka,
            ((4, 6), (2, 4)), lambda c: _hand_baseline()),
       Case("gate rule: envelope 0.5, floor 0.2, 3 seeds, control -> PASS", ka,
@@ -362,6 +365,13 @@ def _hand_recovery():
   p = np.array([[1, 2, 0], [4, 5, 6]])
   return (metrics.token_recovery(p, t), metrics.exact_document_recovery(p, t),
           metrics.token_recovery(p, t, "t>=1"))
+
+
+def _hand_after_bos():
+  t = np.array([[9, 2, 3], [9, 5, 6]])
+  p = np.array([[0, 2, 3], [9, 5, 0]])
+  return (metrics.token_recovery(p, t, "after_bos"),
+          metrics.exact_document_recovery(p, t, "after_bos"))
 
 
 def _hand_baseline():

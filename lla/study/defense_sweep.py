@@ -31,7 +31,6 @@ import ml_collections
 from tqdm import tqdm
 
 from lla import defenses
-from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
 from lla.capture import capture, store

@@ -34,7 +34,6 @@ from tqdm import tqdm
 
 from lla import data
 from lla import runtime
-from lla.attacks import budget as budget_lib
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
 from lla.capture import capture, store

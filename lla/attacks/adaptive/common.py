@@ -19,7 +19,6 @@ import numpy as np
 from lla.attacks.seed import beam
 from lla.attacks.seed import beam_attacks
 from lla.attacks import candidates as cand_lib
-from lla.attacks import ridge
 from lla.attacks.workspace import Workspace
 from lla.model import cost
 from lla.model import split
@@ -92,10 +91,8 @@ def attack_through(ws: Workspace, params, num: int, width: int):
   summed squared distance [B], analytic FLOPs); everything metered in the current scope."""
   h_cal = np.asarray(ws.call(split.client, params, cfg=ws.cfg,
                              tokens=jnp.asarray(ws.calibration_tokens), k=ws.cut))
-  d, skip = ws.cfg.n_embd, len(ws.known_prefix)  # a BOS's constant rows left out, as ws.decoder
-  cal = ws.calibration_tokens[:, skip:]
-  ws.count_host(ridge.ridge_flops(cal.size, d, d))
-  decoder = ridge.fit_ridge(h_cal[:, skip:], np.asarray(split.wte(params))[cal], ws.ridge_alpha)
+  d = ws.cfg.n_embd
+  decoder = ws.fit_ridge(h_cal, split.wte(params))
   candidates = ws.map_call(cand_lib.decoded_nearest_tokens, (ws.activations,),
                            8.0 * ws.seq_len * ws.cfg.vocab_size,
                            consts=(decoder.weights, decoder.mu_h, decoder.mu_e,

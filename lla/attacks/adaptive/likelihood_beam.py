@@ -217,17 +217,25 @@ class LikelihoodBeam:
     candidates = np.asarray(ws.call(cand_lib.joint_candidates, ranked, clean, c_a=through,
                                     c_g=num - through)) if num > 1 else ranked
 
+    skip = len(ws.known_prefix)
+    run = functools.partial(ws.scan, step, (ws.params,), cfg=ws.cfg, k=ws.cut,
+                            mechanism=mechanism, prior_weight=prior_weight)
+
     def search(target, cands):
       state = start(target, cfg=ws.cfg, k=ws.cut, width=width)
-      state = ws.scan(step, (ws.params,), state, beam.positions(target, cands.astype(np.int32)),
-                      cfg=ws.cfg, k=ws.cut, mechanism=mechanism, prior_weight=prior_weight)
+      if skip:  # a public BOS: its one candidate, then the search from its caches
+        known = np.broadcast_to(np.asarray(ws.known_prefix, np.int32)[None, :, None],
+                                (target.shape[0], skip, 1))
+        state = run(state, beam.positions(target[:, :skip], jnp.asarray(known)))
+      state = run(state, beam.positions(target[:, skip:], cands[:, skip:].astype(np.int32),
+                                        skip))
       return state[2][:, 0]
 
     d, cfg = ws.cfg.n_embd, ws.cfg
     per_doc = 4.0 * (width * (3 * cfg.n_layer * 2 * ws.seq_len * d + cfg.vocab_size)
                      + width * num * (2 * ws.cut * d + 8 * d))
     predictions = ws.map_documents(search, (ws.activations, candidates), per_doc)
-    analytic = (beam.analytic_flops(cfg, ws.cut, ws.num_docs, width, num, ws.seq_len)
+    analytic = (beam.analytic_flops(cfg, ws.cut, ws.num_docs, width, num, ws.seq_len, skip)
                 + cand_lib.candidate_flops(ws.activations.size // d, cfg.vocab_size, d))
     if prior_weight > 0:
       analytic += ws.num_docs * ws.seq_len * width * (
@@ -241,11 +249,8 @@ class LikelihoodBeam:
     h_cal = ws.calibration_activations()
     transform = aware.calibration_transform(ws.defense["name"], adaptive.public_params(ws),
                                             attacker_seed)
-    h_cal = np.asarray(transform(h_cal), np.float32)
-    e_cal = np.asarray(ws.wte)[ws.calibration_tokens]
-    d = ws.cfg.n_embd
-    ws.count_host(ridge.ridge_flops(ws.calibration_tokens.size, d, d))
-    return ridge.fit_ridge(h_cal, e_cal, float(budget.ridge_alpha))
+    return ws.fit_ridge(np.asarray(transform(h_cal), np.float32), ws.wte,
+                        float(budget.ridge_alpha))
 
 
 for _mechanism in MECHANISMS:

@@ -14,10 +14,11 @@ client is causal. So (adaptive-attacks.md section 4):
      an m-sparse convex combination of its entries. After a public BOS (E.C.known_prefix)
      every document's row 0 is the BOS's and says nothing: the first position is then 1,
      whose dictionary is client([BOS, v])_1 (one KV-cached step from the BOS's cache per
-     token), and "first token" below means the token at position 1. Greedy simplex pursuit (add the entry
-     whose least-squares fit with the chosen ones, coefficients summing to one, leaves the
-     least residual; then swaps while they help; from the `mixup_starts` entries nearest
-     the row, in order, until a fit is exact) gives the m first tokens and lam_b. A true
+     token), and "first token" below means the token at position 1. Greedy simplex
+     pursuit (add the entry whose least-squares fit with the chosen ones, coefficients
+     summing to one, leaves the least residual; then swaps while they help; from the
+     `mixup_starts` entries nearest the row, in order, until a fit is exact) gives the m
+     first tokens and lam_b. A true
      entry need not be among the few nearest: a row mixed half and half lies between its
      two entries, and on a tiny random Llama they ranked 9th and 12th.
   2. Unmixing. Within a capture batch every document sits in m slots (row, partner), so

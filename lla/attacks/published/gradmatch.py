@@ -295,7 +295,9 @@ def loop_flops(ws: Workspace, steps: int) -> float:
 def activation_position0(ws: Workspace, num_candidates: int) -> np.ndarray:
   """[B] int32 position 0 by the activation beam search's first step: of the ridge
   decoder's `num_candidates` nearest tokens (stage `activation_candidates`), the one whose
-  client message is nearest h[0]."""
+  client message is nearest h[0]. After a public BOS (`ws.known_prefix`), the BOS."""
+  if ws.known_prefix:
+    return np.full(ws.num_docs, ws.known_prefix[0], np.int32)
   candidates = ws.activation_ranked(num_candidates)[:, 0].astype(np.int32)
   first = np.ascontiguousarray(ws.activations[:, 0])
   bytes_per_doc = 4.0 * num_candidates * ws.cfg.n_embd * 8
@@ -316,7 +318,8 @@ def nearest_first_message(params, h0: jax.Array, candidates: jax.Array, cfg, k: 
 
 def position0_flops(ws: Workspace, num_candidates: int) -> float:
   """num_candidates one-token client forwards per document: every weight matrix of each
-  block, 2 FLOPs an entry (GPT-2 24 d^2; attention over one position is not counted)."""
+  block, 2 FLOPs an entry (GPT-2 24 d^2; attention over one position is not counted); `ws`
+  is a Workspace or a lla.attacks.flops.Shape."""
   return ws.num_docs * num_candidates * ws.cut * 2.0 * cost.block_weights(ws.cfg)
 
 
@@ -357,12 +360,18 @@ class TagAttack:
     position0 = activation_position0(ws, int(budget.candidates))
     tokens, losses, initial = optimise(ws, self.spec.name, hyper, random_tag_init(key), position0)
     details = summary(losses, initial, hyper, init="softmax(randn), per document fold_in(key, doc)",
-                      position0=POSITION0)
-    flops = loop_flops(ws, hyper.steps) + position0_flops(ws, int(budget.candidates))
+                      position0=position0_source(ws))
+    flops = loop_flops(ws, hyper.steps) + (0.0 if ws.known_prefix else
+                                             position0_flops(ws, int(budget.candidates)))
     return registry.AttackResult(tokens, flops, details)
 
 
 POSITION0 = "the activation beam search's position-0 step over the ridge's candidates"
+
+
+def position0_source(ws: Workspace) -> str:
+  """Where position 0's token came from, for the record."""
+  return "the public BOS" if ws.known_prefix else POSITION0
 GM_THREAT = ("passive server in training: reads h and g of one step and runs its own "
              "downstream part (blocks k.., ln_f, head; the attacker's weights) to find the soft "
              "labels whose gradient matches g")

@@ -266,10 +266,10 @@ class LampAttack:
         bytes_per_doc=bytes_per_doc)
     num_phases = len(range(0, hyper.steps, phases.freq))
     flops = (gradmatch.loop_flops(ws, hyper.steps)
-             + gradmatch.position0_flops(ws, int(budget.candidates))
+             + (0.0 if ws.known_prefix else gradmatch.position0_flops(ws, int(budget.candidates)))
              + ws.num_docs * num_phases * phase_flops(ws, phases.num_candidates))
     details = gradmatch.summary(losses, initial, hyper, init="softmax(randn), per document",
-                                position0=gradmatch.POSITION0, **phases.details())
+                                position0=gradmatch.position0_source(ws), **phases.details())
     return registry.AttackResult(tokens, flops, details)
 
 
