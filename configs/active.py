@@ -14,8 +14,10 @@ Variants (`:ARG`):
   tiny  a randomly initialised 4-layer d = 32 model, a handful of steps: the tests.
 
 Any family: --config.model.hf_dir=DIR (or --config.model.gguf=FILE) runs the tier on that
-checkpoint, its architecture its own (GPT-2, Llama, Mistral, Qwen2/3, Gemma), when its
-vocabulary holds the data's GPT-2 token ids.
+checkpoint, its architecture its own (GPT-2, Llama, Mistral, Qwen2/3, Gemma). Its own
+tokenizer (the GGUF's, the directory's tokenizer.json) cuts the documents and the public
+windows, its BOS first and unscored; without one, the data directory's GPT-2 tokenizer
+does, and the model's vocabulary must hold its ids.
 """
 
 import ml_collections

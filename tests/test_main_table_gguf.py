@@ -66,12 +66,15 @@ def job(tmp_path_factory, data_dir, monkeypatch_module):
 
 @pytest.fixture(scope="module")
 def bos_job(tmp_path_factory, data_dir, monkeypatch_module):
-  """The same job on the same weights, written with a tokenizer that prepends BOS."""
+  """The same job on the same weights, written with a tokenizer that prepends BOS, with the
+  active tier."""
   monkeypatch_module.setenv("LLA_DATA_DIR", str(data_dir))
   monkeypatch_module.setenv("LLA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
   root = tmp_path_factory.mktemp("gguf_bos_job")
   path = gguf_file(root / "bos.gguf", add_bos=True)
-  main_table.run(_config(path), str(root / "work"))
+  config = _config(path)
+  config.active.enabled = True  # on the file's model, its documents cut by its tokenizer
+  main_table.run(config, str(root / "work"))
   return root / "work"
 
 
@@ -156,10 +159,9 @@ def test_trained_knowledge_attacker_reloads_the_file(job):
   assert len(result.regenerated) == 36  # (8 primary + 4 secondary attacks) x 3 models
 
 
-def test_a_bos_with_the_frontier_or_active_tier_is_refused_before_any_write(tmp_path,
-                                                                            data_dir):
-  # Both phases capture their own documents and do not place a BOS yet (tests/test_bos.py
-  # runs the capture, the attacks and the scoring with one).
+def test_the_frontier_on_a_models_own_tokenizer_is_refused_before_any_write(tmp_path,
+                                                                             data_dir):
+  # Its cells cut their documents with the data directory's GPT-2 tokenizer.
   path = gguf_file(tmp_path / "bos.gguf", add_bos=True)
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
@@ -168,7 +170,7 @@ def test_a_bos_with_the_frontier_or_active_tier_is_refused_before_any_write(tmp_
       env=dict(os.environ, JAX_PLATFORMS="cpu", LLA_DATA_DIR=str(data_dir)))
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   line, = proc.stderr.strip().splitlines()
-  assert "prepends BOS" in line and "frontier.enabled=False" in line and str(path) in line
+  assert "its own tokenizer" in line and "frontier.enabled=False" in line and str(path) in line
   assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
 
 
@@ -237,3 +239,23 @@ def test_paper_runs_the_decoy_split_on_its_own_base_directory():
     other = main_table_config.get_config(variant)
     other.model.hf_dir = "/models/x"
     assert other.decoy.model.hf_dir == ""
+
+
+def test_the_active_tier_runs_on_the_files_model_and_its_bos(bos_job, data_dir):
+  """Every active-tier capture holds the file's model's documents (the BOS, then bytes of
+  the test text), records the BOS as E's known prefix, and its records are scored after
+  it, as its scorecard's rows say."""
+  active = bos_job / main_table.ACTIVE
+  text = (data_dir / "wikitext-2" / "test.txt").read_bytes()
+  metadata = sorted((active / "captures").rglob("metadata.json"))
+  assert metadata
+  for path in metadata:
+    assert json.loads(path.read_text())["protocol"]["C"]["known_prefix"] == [1]
+    tokens = load_file(str(path.parent / "truth.safetensors"))["tokens"]
+    assert (tokens[:, 0] == 1).all() and tokens.max() < 256
+    for row in tokens:
+      assert text_bytes(row[1:]) in text
+  records = rundir.load_records(str(active / "study"))
+  assert records and {r.scored_positions for r in records} == {"after_bos"}
+  card = json.loads((active / "study" / "scorecard.json").read_text())
+  assert {row["scored_positions"] for row in card["rows"]} == {"after_bos"}

@@ -18,11 +18,14 @@ from lla.data import passages
 
 
 def public_windows(splits: data.Splits, n_docs: int, seed: int,
-                   data_dir: str | None = None) -> np.ndarray:
-  """int32 [n_docs, T] public windows, none overlapping a client training window."""
+                   data_dir: str | None = None, tokenizer=None) -> np.ndarray:
+  """int32 [n_docs, T] public windows, none overlapping a client training window, cut by
+  the splits' tokenizer (`tokenizer`; None: the data directory's) and starting with their
+  known prefix (a BOS) as the client's documents do."""
   stream = data.pretraining_tokens(data_dir, split=splits.training.source, exclude=splits,
-                                   exclude_splits=("training",))
-  windows = passages.cut_windows(stream, splits.seq_len)
+                                   exclude_splits=("training",), tokenizer=tokenizer)
+  windows = passages.with_prefix(passages.cut_windows(stream, splits.text_len),
+                                 splits.known_prefix)
   if n_docs > len(windows):
     raise ValueError(f"public set: {n_docs} documents asked, {len(windows)} windows available")
   order = np.random.default_rng(seed).permutation(len(windows))[:n_docs]

@@ -182,14 +182,18 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
 
 def make_setup(config, workdir: pathlib.Path) -> Setup:
   params, cfg, base_id, source = load_base(config, workdir)
-  splits = data.load_splits(**config.data.to_dict())
+  # A model that brings its own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the
+  # documents and the public windows; its BOS, if any, starts each, public and unscored.
+  tokenizer = models.tokenizer(config.model)
+  splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
   largest = max(int(np.max(part.tokens)) for _, part in splits.items())
   if largest >= cfg.vocab_size:
     # An embedding lookup would clamp the id silently: refuse the pairing instead.
     raise ActiveInputError(f"the documents hold token id {largest}, beyond the model's vocabulary of "
                      f"{cfg.vocab_size}: use a model with the data's tokenizer")
   public_tokens = public.public_windows(splits, int(config.public.n_docs),
-                                        int(config.public.seed), config.data.data_dir)
+                                        int(config.public.seed), config.data.data_dir,
+                                        tokenizer)
   pilot = pilot_sha = self_inversion = None
   if any(kind != "honest" for kind, _ in config.attacks):
     pilot, pilot_sha, _ = pretrained_pilot(config, cfg, public_tokens, workdir / "pilot")
@@ -311,7 +315,8 @@ def write_capture(setup: Setup, server, cstate: dict, sstate: dict, name: str, k
         model_id=ckpt.params_sha256(cstate["params"]), corpus=setup.splits.corpus,
         split_hashes={n: p.sha256 for n, p in setup.splits.items()}, training=True,
         batch_size=size, messages=(np.concatenate(hs), np.concatenate(gs)),
-        extra_metadata={"active": active}, attacker=attacker, extra_files=extra_files)
+        extra_metadata={"active": active}, attacker=attacker, extra_files=extra_files,
+        known_prefix=setup.splits.known_prefix)
 
   return store.reuse_or_write(directory, write)
 

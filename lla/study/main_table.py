@@ -208,8 +208,12 @@ def active_server(config, workdir: pathlib.Path, base_source: dict) -> None:
     return
   from lla.active import run as active_run  # pylint: disable=g-import-not-at-top
   active = ml_collections.ConfigDict(config.active.to_dict())
-  if "checkpoint" in base_source:
-    active.model.checkpoint = base_source["checkpoint"]
+  # The base from a checkpoint pre-trained here, a GGUF file or a directory: the tier loads
+  # it, and its tokenizer, as this job did (a file's architecture is its own; a checkpoint's
+  # is checked against the tier's model config).
+  for field in ("checkpoint", "gguf", "hf_dir"):
+    if field in base_source:
+      active.model[field] = base_source[field]
   active_run.run(active, str(workdir / ACTIVE))
 
 
@@ -331,12 +335,11 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   # so that a file lla cannot read, or weights nobody named, cost nothing.
   models.check_weights(config.model)
   tokenizer = models.tokenizer(config.model)
-  if tokenizer is not None and tokenizer.known_prefix and (config.frontier.enabled
-                                                           or config.active.enabled):
+  if tokenizer is not None and config.frontier.enabled:
     raise models.TokenizerPolicyError(
-        f"{tokenizer.source}: its tokenizer prepends BOS, and the frontier and the active tier "
-        "do not place one yet: set --config.frontier.enabled=False "
-        "--config.active.enabled=False")
+        f"{tokenizer.source}: the model brings its own tokenizer, and the FLOP-matched "
+        "frontier's cells cut their documents with the data directory's GPT-2 tokenizer: set "
+        "--config.frontier.enabled=False")
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
