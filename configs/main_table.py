@@ -16,8 +16,8 @@ Variants (`:ARG`):
          tokenizer.json; Llama-3.2's BOS is placed and never scored), for an accelerator:
            python -m experiments.main_table --config=configs/main_table.py:paper_qwen3 \
                --config.model.hf_dir=/models/Qwen3-0.6B --workdir=runs/paper_qwen3
-         Without the directory it is refused in one line. The frontier is off: its cells
-         cut their documents with the data directory's GPT-2 tokenizer.
+         Without the directory it is refused in one line. The frontier's cells cut their
+         documents with the model's tokenizer too.
   tiny   a 4-layer model, k = 2 only and a handful of documents: the end-to-end test.
   cpu_llama, tiny_llama
          the same jobs on the Llama-family twin of their model (configs/models.py:
@@ -217,10 +217,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.memory_budget_mb = 1024 if not paper else 16384
   if variant == "cpu_smollm2":
     _fit_smollm2_to_two_cores(config)
-  if variant in ("paper_llama32", "paper_qwen3"):
-    # The frontier's cells cut their documents with the data directory's GPT-2 tokenizer,
-    # not this model's: its report section says it did not run.
-    config.frontier.enabled = False
   if variant.endswith("_llama"):
     # The twin's architecture in every phase that reads the base model (the active tier
     # checks the pre-trained checkpoint against it); where its weights come from is kept.

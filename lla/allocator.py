@@ -131,6 +131,30 @@ def apply() -> dict:
   return record()
 
 
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
+def heap_usage() -> dict | None:
+  """{"in_use_mb", "free_mb"}: what glibc's malloc has handed out and not had back (the
+  heap's blocks in use plus mmapped ones: the program's arrays, models and XLA:CPU's
+  buffers), and what it keeps free in its heap (never given back under the tuned settings:
+  RSS less the first is the allocator's share). None where malloc is not glibc's or glibc
+  is older than 2.33 (no mallinfo2)."""
+  library = _malloc_library()
+  if library and not os.path.basename(library).startswith("libc.so"):
+    return None
+  try:
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+  except (OSError, AttributeError):
+    return None
+  mallinfo2.restype = _MallInfo2
+  info = mallinfo2()
+  return {"in_use_mb": (info.uordblks + info.hblkhd) / 2**20, "free_mb": info.fordblks / 2**20}
+
+
 def record() -> dict:
   """Which allocator this process runs and how it was set (for provenance)."""
   if _STATE is None:

@@ -108,7 +108,7 @@ def test_embedded_client_is_the_client_and_losses_match_references(setup):
                              rtol=1e-5, atol=1e-5)
   # EIA's relaxed tokens at a near one-hot Z are the tokens themselves: zero loss.
   z = 50.0 * jax.nn.one_hot(tokens, CFG.vocab_size)
-  losses = eia._losses(params, CFG, K, z, jnp.asarray(h), 0.3)
+  losses = eia._losses(params, CFG, K, z, jnp.asarray(h), 0.3, ())
   assert np.all(np.asarray(losses) < 1e-6 * np.sum(h**2, axis=(1, 2)))
   # BiSR(f)'s cosine loss against torch.cosine_similarity, summed over documents.
   rng = np.random.default_rng(1)
@@ -191,7 +191,7 @@ def test_flops_count_every_step(setup, results):
   target = jnp.asarray(ws.activations)
   carry = bisr_f._start(ws.params, jnp.asarray(tokens), lr=0.01, weight_decay=0.01)
   _, _, step_flops, _ = compiled(bisr_f._step, ws.params, target, carry, cfg=CFG, k=K,
-                                 loss="cosine", lr=0.01, weight_decay=0.01)
+                                 loss="cosine", prefix=(), lr=0.01, weight_decay=0.01)
   assert charges[1].flops - charges[0].flops == pytest.approx(10 * step_flops, rel=1e-9)
   analytic = bisr_f.step_flops(CFG, K, T) * B
   assert 0.5 < step_flops / analytic < 2.0

@@ -20,6 +20,7 @@ import pytest
 from configs import real_weights as real_weights_config
 from lla import defenses
 from lla.attacks import registry
+from lla.attacks.published import bisr_f, eia
 from lla.attacks.seed import beam
 from lla.attacks.workspace import Workspace
 from lla.capture import capture
@@ -215,3 +216,68 @@ def test_the_quantisation_likelihood_beam_and_tag_after_a_bos(bos_case):
   result, _ = registry.execute("tag", ws, budget, jax.random.key(0))
   assert (result.predictions[:, 0] == BOS).all()
   assert result.details["position0"] == "the public BOS"
+
+
+
+def test_the_gaussian_projection_estimate_pairs_the_bos_row_once(bos_case):
+  """The estimate route takes the BOS's row as every document's first row without a search:
+  one (h, y) pair, the BOS's client row against the message every document shares there.
+  (At d = 64 a Gaussian R distorts inner products by about 1/8, so the route recovers
+  little here either way; docs/benchmarks.md section 12.)"""
+  model, truth, calibration, h = bos_case
+  projection = defenses.make("projection", kind="gaussian")
+  keys = defenses.Secret.explicit(0).keys("projection")
+  y = np.asarray(defenses.apply(projection, jnp.asarray(h), keys))
+  defense = {"name": "projection", "params": {"kind": "gaussian", "enabled": True}}
+  blind = Workspace(y, None, model.params, model.cfg, 2, calibration, defense=defense)
+  ws = Workspace(y, None, model.params, model.cfg, 2, calibration, known_prefix=(BOS,),
+                 defense=defense)
+  budget = registry.budget_config()
+  budget.projection_refits = 0
+  result, _ = registry.execute("projection_adaptive", ws, budget, jax.random.key(0))
+  unknown, _ = registry.execute("projection_adaptive", blind, budget, jax.random.key(0))
+  assert result.details["route"] == "estimate"
+  assert result.details["position0_pairs"] == 1
+  assert unknown.details["position0_pairs"] == len(truth)  # each document matched its own
+  assert (result.predictions[:, 0] == BOS).all()
+
+
+def test_forward_matching_holds_the_bos_at_its_embedding(bos_case):
+  """EIA and BiSR(f) hold position 0 at the BOS's input embedding. From the true text with
+  a wrong position 0 (token 7), the client reproduces h exactly when the BOS is known; the
+  blind workspace's wrong first token moves every later row (the attention sink)."""
+  model, truth, calibration, h = bos_case
+  wrong = truth.copy()
+  wrong[:, 0] = 7
+  known = Workspace(h, None, model.params, model.cfg, 2, calibration, known_prefix=(BOS,))
+  blind = Workspace(h, None, model.params, model.cfg, 2, calibration)
+  budget = registry.budget_config()
+  budget.bisr_f_steps, budget.bisr_f_decode, budget.bisr_f_loss = 0, "nearest", "mse"
+  index = np.arange(len(truth))
+  tokens, _, final = bisr_f.refine_chunk(known, budget, h, wrong, index)
+  _, _, final_blind = bisr_f.refine_chunk(blind, budget, h, wrong, index)
+  np.testing.assert_array_equal(tokens, truth)
+  scale = np.mean(h.astype(np.float64) ** 2, axis=(1, 2))
+  assert (final < 1e-9 * scale).all() and (final_blind > 1e-4 * scale).all()
+  # EIA's relaxed tokens at a near one-hot Z of the same text: summed squared error.
+  z = 50.0 * jax.nn.one_hot(wrong, model.cfg.vocab_size)
+  held = np.asarray(eia._losses(model.params, model.cfg, 2, z, jnp.asarray(h), 0.3, (BOS,)))
+  moved = np.asarray(eia._losses(model.params, model.cfg, 2, z, jnp.asarray(h), 0.3, ()))
+  total = np.sum(h.astype(np.float64) ** 2, axis=(1, 2))
+  assert (held < 1e-9 * total).all() and (moved > 1e-4 * total).all()
+
+
+def test_learned_and_chained_attacks_return_the_bos(bos_case):
+  """SIP, EIA, BiSR(f), BiSR(b) and BiSR(b+f), a few steps each: position 0 is the BOS
+  whatever their inverters or variables say there, and BiSR(b) says where it came from."""
+  model, truth, calibration, h = bos_case
+  _, g = split.boundary_messages(model.params, model.cfg, jnp.asarray(truth), 2)
+  ws = Workspace(h, np.asarray(g), model.params, model.cfg, 2, calibration, known_prefix=(BOS,))
+  budget = registry.budget_config()
+  for field, value in dict(sip_epochs=2, sip_hidden=16, bisr_f_steps=2, eia_steps=2,
+                           eia_mapper_epochs=1, bisr_b_steps=2).items():
+    budget[field] = value
+  for name in ("sip", "eia", "bisr_f", "bisr_b", "bisr"):
+    result, _ = registry.execute(name, ws, budget, jax.random.key(0))
+    assert (result.predictions[:, 0] == BOS).all(), name
+  assert result.details["bisr_b"]["position0"] == "the public BOS"

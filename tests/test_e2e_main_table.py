@@ -5,11 +5,13 @@ import json
 import math
 import resource
 
+import jax
 import numpy as np
 import pytest
 
 from configs import main_table as main_table_config
 from lla import provenance
+from lla.model import checkpoint as ckpt
 from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
@@ -56,6 +58,14 @@ def test_each_phase_records_the_peak_rss_it_ended_with(finished):
   text = report.read_text()
   for phase, peak in zip(invocation["phases"], peaks[1:]):
     assert f"| 1 | {phase['name']} | " in text and f" | {peak / 1024:.1f} |" in text
+  # The base model's params, restored here, are alive from the end of its phase to the
+  # end of the job: a lower bound on malloc's bytes in use at each later boundary.
+  base = ckpt.restore(workdir / "pretrain" / "checkpoint")
+  held = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(base.params)) / 2**20
+  heaps = [p["heap"] for p in invocation["phases"][1:]] + [invocation["heap"]]
+  for heap, peak in zip(heaps, peaks[1:]):
+    assert heap["in_use_mb"] >= held, (heap, held)
+    assert f" | {peak / 1024:.1f} | {heap['in_use_mb'] / 1024:.1f} |" in text
 
 
 def test_study_verifies_and_rescores(finished):

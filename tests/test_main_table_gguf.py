@@ -11,11 +11,8 @@ every prediction regenerates bit for bit from the study.
 """
 
 import json
-import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,9 +26,9 @@ from lla.replay import regenerate
 from lla.scoring import scorecard
 from lla.study import bridge
 from lla.study import main_table
+from lla.sweep import frontier as flops_frontier
 from test_real_weights import ALPHABET, gguf_file, text_bytes, tiny_llama
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 # Off: phases whose inputs are the same whatever the base (tests/test_e2e_main_table.py runs
 # them); the corpus study also needs an end-of-text token the byte vocabulary lacks.
 FAST = {"published.attacks": (), "defenses": (), "corpus_study.corpora": (),
@@ -73,7 +70,9 @@ def bos_job(tmp_path_factory, data_dir, monkeypatch_module):
   root = tmp_path_factory.mktemp("gguf_bos_job")
   path = gguf_file(root / "bos.gguf", add_bos=True)
   config = _config(path)
-  config.active.enabled = True  # on the file's model, its documents cut by its tokenizer
+  # The active tier and the frontier on the file's model, their documents cut by its
+  # tokenizer.
+  config.active.enabled = config.frontier.enabled = True
   main_table.run(config, str(root / "work"))
   return root / "work"
 
@@ -159,19 +158,42 @@ def test_trained_knowledge_attacker_reloads_the_file(job):
   assert len(result.regenerated) == 36  # (8 primary + 4 secondary attacks) x 3 models
 
 
-def test_the_frontier_on_a_models_own_tokenizer_is_refused_before_any_write(tmp_path,
-                                                                             data_dir):
-  # Its cells cut their documents with the data directory's GPT-2 tokenizer.
-  path = gguf_file(tmp_path / "bos.gguf", add_bos=True)
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
-       f"--config.model.gguf={path}", f"--workdir={tmp_path / 'work'}"],
-      capture_output=True, text=True, cwd=REPO, timeout=600,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", LLA_DATA_DIR=str(data_dir)))
-  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  line, = proc.stderr.strip().splitlines()
-  assert "its own tokenizer" in line and "frontier.enabled=False" in line and str(path) in line
-  assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
+def _check_bos_captures(captures, data_dir) -> None:
+  """Every capture under `captures` records the BOS (id 1) as E's known prefix and holds the
+  file's model's documents: the BOS, then a run of bytes of the test text."""
+  text = (data_dir / "wikitext-2" / "test.txt").read_bytes()
+  metadata = sorted(captures.rglob("metadata.json"))
+  assert metadata
+  for path in metadata:
+    assert json.loads(path.read_text())["protocol"]["C"]["known_prefix"] == [1]
+    tokens = load_file(str(path.parent / "truth.safetensors"))["tokens"]
+    assert (tokens[:, 0] == 1).all() and tokens.max() < 256
+    for row in tokens:
+      assert text_bytes(row[1:]) in text
+
+
+def test_the_frontier_cuts_its_documents_with_the_models_tokenizer(bos_job, data_dir):
+  """The FLOP-matched frontier's cells capture the file's model's documents (the BOS, then
+  bytes of the test text: GPT-2's ids would overflow its 256-token vocabulary), record the
+  BOS in E, and every point is scored after it: its recovery is the stored predictions'
+  hits on positions 1..31."""
+  frontier = bos_job / main_table.FRONTIER
+  _check_bos_captures(frontier / "captures", data_dir)
+  study = frontier / "study"
+  assert rundir.verify(str(study)) == []
+  points = flops_frontier.points(str(study))
+  assert {p.attack for p in points} == {"ridge", "activation", "gradient_only"}
+  records = {r.run_id: r for r in rundir.load_records(str(study))}
+  assert {r.scored_positions for r in records.values()} == {"after_bos"}
+  for cell in sorted((study / "cells").iterdir()):
+    entry = json.loads(cell.read_text())
+    for attack in entry["attacks"]:
+      record = records[attack["run_id"]]
+      truth = np.asarray(rundir.load_truth(rundir.resolve(str(study), record.truth_file)))
+      pred = np.load(study / attack["predictions"])
+      point, = [p for p in points if p.cell_id == entry["cell_id"]
+                and p.attack == attack["attack"]]
+      assert point.recovery == pytest.approx((pred[:, 1:] == truth[:, 1:]).mean())
 
 
 def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_path):
@@ -246,15 +268,7 @@ def test_the_active_tier_runs_on_the_files_model_and_its_bos(bos_job, data_dir):
   the test text), records the BOS as E's known prefix, and its records are scored after
   it, as its scorecard's rows say."""
   active = bos_job / main_table.ACTIVE
-  text = (data_dir / "wikitext-2" / "test.txt").read_bytes()
-  metadata = sorted((active / "captures").rglob("metadata.json"))
-  assert metadata
-  for path in metadata:
-    assert json.loads(path.read_text())["protocol"]["C"]["known_prefix"] == [1]
-    tokens = load_file(str(path.parent / "truth.safetensors"))["tokens"]
-    assert (tokens[:, 0] == 1).all() and tokens.max() < 256
-    for row in tokens:
-      assert text_bytes(row[1:]) in text
+  _check_bos_captures(active / "captures", data_dir)
   records = rundir.load_records(str(active / "study"))
   assert records and {r.scored_positions for r in records} == {"after_bos"}
   card = json.loads((active / "study" / "scorecard.json").read_text())

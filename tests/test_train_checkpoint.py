@@ -135,3 +135,29 @@ def test_interrupted_save_leftover_is_ignored_and_cleaned(tmp_path, params):
   ckpt.load_or_create(tmp_path / "c", create)
   assert len(calls) == 1 and not leftover.exists()
   assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_resident_holds_a_few_copies_and_restores_the_rest(tmp_path, params, monkeypatch):
+  """Resident(2) over three checkpoints: each is restored on first use and returns its own
+  params; a third evicts the least recently used one, which is restored again when next
+  read; one made in place (`keep`) is never restored; a directory holding another model
+  than the one named is refused."""
+  copies = {name: jax.tree.map(lambda x, i=i: x + i, params) for i, name in enumerate("abc")}
+  saved = {name: ckpt.save(tmp_path / name, p, CFG, {}, export_hf=False)
+           for name, p in copies.items()}
+  restored = []
+  real = ckpt.restore
+  monkeypatch.setattr(ckpt, "restore", lambda d: restored.append(d.rsplit("/", 1)[-1])
+                      or real(d))
+  resident = ckpt.Resident(2)
+  for name in ("a", "b", "a", "c", "a", "b"):
+    assert _equal(resident.params(tmp_path / name, saved[name].sha256), copies[name])
+  # a (used again before c came) stayed; b was the least recently used when c came.
+  assert restored == ["a", "b", "c", "b"]
+  resident.keep(saved["c"])
+  assert _equal(resident.params(tmp_path / "c", saved["c"].sha256), copies["c"])
+  assert restored == ["a", "b", "c", "b"]
+  with pytest.raises(ckpt.CheckpointError, match="expected"):
+    ckpt.Resident(1).params(tmp_path / "a", saved["b"].sha256)
+  with pytest.raises(ValueError, match="at least one"):
+    ckpt.Resident(0)

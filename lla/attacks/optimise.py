@@ -7,6 +7,8 @@ attacker's client reproduces the observed message. They share:
   embeddings `e [B, T, d]` (HF's `inputs_embeds`: the learned positions are added here),
   differentiable in `e`.
 * `losses_and_grad`: per-document losses and gradients from one VJP.
+* `with_known_prefix`: the public first tokens (a BOS, E.C.known_prefix) held at their
+  own embeddings, so that the client sees the true prefix and no step moves it.
 * `host_rng`: seeded numpy generators for host-side choices (the order of training
   batches).
 * `drive`: the optimisation loop, run from Python with one call of a compiled one-step
@@ -43,6 +45,23 @@ def embedded_client(params, cfg: GPT2Config, e: jax.Array, start: int, stop: int
   else:
     x = e + params["wpe"]["embedding"][:e.shape[-2]]
   return model.apply({"params": params}, x, start, stop, method="blocks").astype(jnp.float32)
+
+
+def with_known_prefix(params, e: jax.Array, prefix: tuple[int, ...]) -> jax.Array:
+  """e [B, T, d] with rows 0..P-1 replaced by the input embeddings of the public prefix
+  (P = len(prefix), the model's BOS): the client sees the true prefix, whose keys and
+  values every later position attends to, and no gradient reaches those rows."""
+  if not prefix:
+    return e
+  rows = split.wte(params)[jnp.asarray(prefix, jnp.int32)]
+  return e.at[:, :len(prefix)].set(jnp.broadcast_to(rows, (e.shape[0],) + rows.shape))
+
+
+def pin_known_prefix(tokens: jax.Array, prefix: tuple[int, ...]) -> jax.Array:
+  """tokens [B, T] with positions 0..P-1 set to the public prefix."""
+  if not prefix:
+    return tokens
+  return tokens.at[:, :len(prefix)].set(jnp.asarray(prefix, tokens.dtype))
 
 
 def losses_and_grad(losses_fn: Callable, x: jax.Array):

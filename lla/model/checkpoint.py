@@ -13,7 +13,8 @@ dtype, shape, little-endian bytes), so it does not depend on how the params were
 stored. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
 in one step, so `DIR` either does not exist or holds every file; `restore` still re-hashes the
 params (and the HF weights) and refuses a directory whose hash disagrees, e.g. one copied or
-edited by hand. `load_or_create` is the cache: a valid DIR is reused; a DIR that fails to
+edited by hand. `Resident` holds the params of a few restored checkpoints at a time, for a
+job that goes over many copies. `load_or_create` is the cache: a valid DIR is reused; a DIR that fails to
 restore (damaged, or unreadable by this software version) is never deleted: it is moved aside
 to `DIR.quarantined-<UTC time>-<id>` (with QUARANTINE.txt saying why), named in a warning, and
 rebuilt.
@@ -21,6 +22,7 @@ rebuilt.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import hashlib
@@ -177,6 +179,45 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
     if not weights.exists() or _file_sha256(weights) != metadata["hf_sha256"]:
       raise CheckpointError(f"{weights}: missing or its sha256 differs from metadata.json")
   return Checkpoint(directory, params, cfg, metadata)
+
+
+class Resident:
+  """The params of at most `capacity` checkpoints in memory, restored (and so verified) on
+  first use, the least recently used dropped.
+
+  A job over many fine-tuned copies (each of SmolLM2's is 0.54 GB) holds only the few its
+  current phase cycles over, not every copy it has made.
+  """
+
+  def __init__(self, capacity: int):
+    if capacity < 1:
+      raise ValueError(f"a Resident holds at least one checkpoint, got capacity {capacity}")
+    self.capacity = capacity
+    self._params: collections.OrderedDict = collections.OrderedDict()
+
+  def params(self, directory: str | os.PathLike, sha256: str) -> dict:
+    """The params of the checkpoint at `directory`, which must hash to `sha256`.
+
+    Raises:
+      CheckpointError: it fails to restore, or it holds another model than `sha256`.
+    """
+    key = str(pathlib.Path(directory).absolute())
+    if key not in self._params:
+      checkpoint = restore(key)
+      if checkpoint.sha256 != sha256:
+        raise CheckpointError(f"{key}: holds params {checkpoint.sha256[:12]}..., expected "
+                              f"{sha256[:12]}...")
+      self.keep(checkpoint)
+    self._params.move_to_end(key)
+    return self._params[key]
+
+  def keep(self, checkpoint: Checkpoint) -> None:
+    """Holds the params of a checkpoint just restored or made (no second restore)."""
+    key = str(pathlib.Path(checkpoint.path).absolute())
+    self._params[key] = checkpoint.params
+    self._params.move_to_end(key)
+    while len(self._params) > self.capacity:
+      self._params.popitem(last=False)
 
 
 def quarantine(directory: str | os.PathLike, reason: str) -> pathlib.Path:

@@ -121,9 +121,9 @@ def defended_target(config, workdir: pathlib.Path, target, defense, secret, labe
       ft, workdir / "finetune" / f"def_{label}_m{target.model_seed}", splits=splits, base=base,
       defense=defense, secret=secret)
   # Public knowledge: the attacker holds the defended target's exact client layers.
-  return dataclasses.replace(target, params=checkpoint.params, model_id=checkpoint.sha256,
-                             attacker_params=checkpoint.params,
-                             attacker_source={"checkpoint": str(checkpoint.path)})
+  target.resident.keep(checkpoint)
+  return dataclasses.replace(target, checkpoint=checkpoint.path, model_id=checkpoint.sha256,
+                             attacker_source={"checkpoint": str(checkpoint.path)}, base=None)
 
 
 def public_params(defense: defenses.Defense, secret: defenses.Secret | None, label: str,

@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
+from lla import allocator
 from lla import data
 from lla import runtime
 from lla.attacks import memory, registry
@@ -47,7 +48,7 @@ from lla.study import qualification as study_qualification
 from lla.train import finetune as finetune_lib
 from lla.train import models
 from lla.train import pretrain as pretrain_lib
-from lla.model.checkpoint import params_sha256
+from lla.model import checkpoint as checkpoint_lib
 
 STUDY, CAPTURES, DECOY, ACTIVE, TIMING = "study", "captures", "decoy", "active", "timing.json"
 FRONTIER = "frontier"
@@ -58,22 +59,38 @@ class WorkdirMismatch(ValueError):
   it, or it fails verification."""
 
 
+# Fine-tuned copies held in memory at once: the defense phase cycles over one per model seed
+# (3 in every CPU variant), and each phase goes over the copies in order, so no copy is
+# restored twice within a phase.
+RESIDENT_COPIES = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """One fine-tuned target and the attacker that faces it."""
+  """One fine-tuned target and the attacker that faces it. Its params are restored from its
+  checkpoint when a phase reads them (`resident` holds a few), so that the job never holds
+  every copy it has made."""
 
   cut: int
   knowledge: str
   model_seed: int
-  params: dict
+  checkpoint: pathlib.Path
   cfg: object
   model_id: str
-  attacker_params: dict
   attacker_source: dict   # lla.model.loading spec of the attacker's weights
+  # Trained knowledge: the base model's (params, sha256), which the job holds anyway; None:
+  # the attacker holds the target's exact client layers (public knowledge).
+  base: tuple[dict, str] | None
+  resident: checkpoint_lib.Resident = dataclasses.field(repr=False, compare=False)
+
+  @property
+  def params(self) -> dict:
+    return self.resident.params(self.checkpoint, self.model_id)
 
   def attacker(self, calibration: np.ndarray) -> replay.Attacker:
-    return replay.Attacker(self.attacker_params, self.cfg, params_sha256(self.attacker_params),
-                           calibration, self.knowledge, self.attacker_source)
+    params, model_id = (self.params, self.model_id) if self.base is None else self.base
+    return replay.Attacker(params, self.cfg, model_id, calibration, self.knowledge,
+                           self.attacker_source)
 
   @property
   def name(self) -> str:
@@ -87,9 +104,10 @@ def _peak_rss_mb() -> float:
 
 def _phase(workdir: pathlib.Path, name: str) -> None:
   """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
-  one, or the invocation, does), with the process's peak RSS so far: the phase whose end
-  raises it holds the job's peak. A long study's compiled executables are dropped here
-  before they exhaust the process's memory mappings (lla.runtime)."""
+  one, or the invocation, does), with the process's peak RSS so far (the phase whose end
+  raises it holds the job's peak) and malloc's bytes in use and free as it starts (what
+  the phases before it left held, and what the allocator keeps; lla.allocator.heap_usage). A long study's compiled executables are dropped here before they
+  exhaust the process's memory mappings (lla.runtime)."""
   runtime.release_compiled_when_crowded()
   logging.info("== phase: %s", name)
   tqdm.write(f"[main_table] phase: {name}")
@@ -97,7 +115,8 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
   if path.exists():
     timing = files.read_json(str(path))
     timing["invocations"][-1].setdefault("phases", []).append(
-        {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb()})
+        {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb(),
+         "heap": allocator.heap_usage()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
@@ -118,7 +137,8 @@ def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits)
 
 def fine_tuned_targets(config, workdir: pathlib.Path, splits, base, base_source) -> list[Target]:
   targets = []
-  base_params, _, _ = base
+  base_params, _, provenance = base
+  resident = checkpoint_lib.Resident(RESIDENT_COPIES)
   for cut, knowledge in config.settings:
     ft = ml_collections.ConfigDict(config.finetune.to_dict())
     ft.k, ft.train_client_layers = int(cut), knowledge == "trained"
@@ -128,9 +148,12 @@ def fine_tuned_targets(config, workdir: pathlib.Path, splits, base, base_source)
     for seed, checkpoint in zip(finetune_lib.seeds(ft), checkpoints):
       # Public: the attacker holds the target's exact client layers; trained: only the base.
       public = knowledge == "public"
-      targets.append(Target(int(cut), knowledge, seed, checkpoint.params, checkpoint.cfg,
-                            checkpoint.sha256, checkpoint.params if public else base_params,
-                            {"checkpoint": str(checkpoint.path)} if public else base_source))
+      targets.append(Target(int(cut), knowledge, seed, checkpoint.path, checkpoint.cfg,
+                            checkpoint.sha256,
+                            {"checkpoint": str(checkpoint.path)} if public else base_source,
+                            None if public else (base_params, provenance["params_sha256"]),
+                            resident))
+    del checkpoints, checkpoint  # Their params: restored again when a phase reads them.
   return targets
 
 
@@ -221,7 +244,8 @@ def flop_frontier(config, workdir: pathlib.Path, targets: list[Target],
                   base_source: dict) -> None:
   """The FLOP-matched frontier (lla.sweep.frontier): `config.frontier.sweep`'s cells on the
   first fine-tuned model at the primary setting, with the base as the trained-knowledge
-  attacker, in a sweep study of its own (resumable like the rest)."""
+  attacker, in a sweep study of its own (resumable like the rest). A base that brings its
+  own tokenizer (a GGUF file) cuts the cells' documents, as it cut the job's."""
   if not config.frontier.enabled:
     return
   from lla.sweep import driver  # pylint: disable=g-import-not-at-top
@@ -230,7 +254,7 @@ def flop_frontier(config, workdir: pathlib.Path, targets: list[Target],
   sweep = ml_collections.ConfigDict(config.frontier.sweep.to_dict())
   for model, source in ((sweep.cell.target, target.attacker_source),
                         (sweep.cell.pretrained, base_source)):
-    for field in ("hf_dir", "checkpoint", "hub"):
+    for field in ("gguf", "gguf_package", "hf_dir", "checkpoint", "hub"):
       model[field] = source.get(field, "")
   sweep.cell.model_seed = target.model_seed
   driver.run(sweep, str(workdir / FRONTIER))
@@ -292,6 +316,7 @@ def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
   else:
     invocations[-1]["finished_unix"] = when
     invocations[-1]["peak_rss_mb"] = _peak_rss_mb()
+    invocations[-1]["heap"] = allocator.heap_usage()
   workdir.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), {"invocations": invocations}, overwrite=True)
 
@@ -335,11 +360,6 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   # so that a file lla cannot read, or weights nobody named, cost nothing.
   models.check_weights(config.model)
   tokenizer = models.tokenizer(config.model)
-  if tokenizer is not None and config.frontier.enabled:
-    raise models.TokenizerPolicyError(
-        f"{tokenizer.source}: the model brings its own tokenizer, and the FLOP-matched "
-        "frontier's cells cut their documents with the data directory's GPT-2 tokenizer: set "
-        "--config.frontier.enabled=False")
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)

@@ -284,17 +284,20 @@ def decoy_section(workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
 
 def phase_table(invocations: list[dict]) -> list[str]:
   """Minutes per phase of each invocation (timing.json; a phase ends where the next, or
-  the invocation, does) and the process's peak RSS by the phase's end (where it rises, the
-  phase holds the peak; "—" where timing.json predates the measurement)."""
-  lines = ["| invocation | phase | minutes | peak RSS by its end (GB) |", "|---|---|---|---|"]
+  the invocation, does), the process's peak RSS by the phase's end (where it rises, the
+  phase holds the peak) and malloc's bytes in use at its end (what the job still holds;
+  "—" where timing.json predates the measurement or malloc is not glibc's)."""
+  lines = ["| invocation | phase | minutes | peak RSS by its end (GB) | "
+           "malloc in use at its end (GB) |", "|---|---|---|---|---|"]
+  gb = lambda mb: "—" if mb is None else f"{mb / 1024:.1f}"
   for number, inv in enumerate(invocations, 1):
     phases = inv.get("phases", [])
     ends = [p["started_unix"] for p in phases[1:]] + [inv.get("finished_unix")]
-    peaks = [p.get("peak_rss_mb") for p in phases[1:]] + [inv.get("peak_rss_mb")]
-    for phase, end, peak in zip(phases, ends, peaks):
+    at_end = phases[1:] + [inv]
+    for phase, end, after in zip(phases, ends, at_end):
       minutes = "—" if end is None else f"{(end - phase['started_unix']) / 60:.1f}"
-      rss = "—" if peak is None else f"{peak / 1024:.1f}"
-      lines.append(f"| {number} | {phase['name']} | {minutes} | {rss} |")
+      lines.append(f"| {number} | {phase['name']} | {minutes} | "
+                   f"{gb(after.get('peak_rss_mb'))} | {gb((after.get('heap') or {}).get('in_use_mb'))} |")
   return lines
 
 

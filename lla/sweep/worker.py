@@ -35,10 +35,11 @@ from lla.defenses import training
 from lla.evidence import files, rundir
 from lla.model.loading import load_model
 from lla.study import defense_sweep
+from lla.train import models
 
 CAPTURES = "captures"
 STUDY = "study"
-MODEL_SOURCES = ("hf_dir", "checkpoint", "hub")
+MODEL_SOURCES = ("gguf", "gguf_package", "hf_dir", "checkpoint", "hub")
 KEY_STORE = defense_sweep.KEY_STORE  # the defenders' secrets, under WORKDIR
 
 
@@ -85,6 +86,7 @@ class Worker:
     self.study = str(self.workdir / STUDY)
     self._models: dict = {}
     self._data: dict = {}
+    self._tokenizers: dict = {}
     self._workspaces: collections.OrderedDict = collections.OrderedDict()
     self._max_workspaces = max_workspaces
 
@@ -94,8 +96,9 @@ class Worker:
     c = cell.config
     registry.load_plugins(c["plugins"])
     target = self._model(c["target"])
-    tokens, ids, calibration, corpus, split_hashes = self._splits(c["data"])
-    capture_dir = self._capture(c, target, tokens, ids, corpus, split_hashes)
+    tokens, ids, calibration, corpus, split_hashes, known_prefix = self._splits(
+        c["data"], self._tokenizer(c))
+    capture_dir = self._capture(c, target, tokens, ids, corpus, split_hashes, known_prefix)
     public = c["knowledge"] == "public"
     attacker_config = c["target"] if public else c["pretrained"]
     model = target if public else self._model(attacker_config)
@@ -128,10 +131,23 @@ class Worker:
       self._models[key] = load_model(ml_collections.ConfigDict(model))
     return self._models[key]
 
-  def _splits(self, data: dict):
+  def _tokenizer(self, c: dict):
+    """The tokenizer that cuts a cell's documents: the target's own (a GGUF file's or an
+    hf_dir's tokenizer.json), else that of the pre-trained model it was fine-tuned from,
+    else None (the data directory's GPT-2 tokenizer, the models pre-trained here)."""
+    for model in (c["target"], c["pretrained"]):
+      key = json.dumps(model_source(model), sort_keys=True)
+      if key not in self._tokenizers:
+        self._tokenizers[key] = models.tokenizer(ml_collections.ConfigDict(model))
+      if self._tokenizers[key] is not None:
+        return self._tokenizers[key]
+    return None
+
+  def _splits(self, data: dict, tokenizer=None):
     """(evaluation tokens [B, T], document ids, calibration tokens [N, T], corpus name,
-    split hashes) from .npy files or from lla.data."""
-    key = json.dumps(data, sort_keys=True)
+    split hashes, known prefix) from .npy files or from lla.data, cut by `tokenizer`
+    (None: the data directory's GPT-2 tokenizer; .npy files are already tokens)."""
+    key = json.dumps([data, None if tokenizer is None else tokenizer.sha256], sort_keys=True)
     if key not in self._data:
       if data["tokens_npy"]:
         tokens = files.load_token_matrix(data["tokens_npy"], "evaluation tokens")
@@ -142,16 +158,17 @@ class Worker:
         hashes = {"evaluation": files.sha256_bytes(np.ascontiguousarray(tokens).tobytes()),
                   "calibration": files.sha256_bytes(np.ascontiguousarray(calibration).tobytes())}
         self._data[key] = (tokens.astype(np.int32), list(range(tokens.shape[0])),
-                           calibration.astype(np.int32), "custom", hashes)
+                           calibration.astype(np.int32), "custom", hashes, ())
       else:
         kwargs = {k: v for k, v in data.items() if k not in ("tokens_npy", "calibration_npy")}
-        splits = data_lib.load_splits(**kwargs)
+        splits = data_lib.load_splits(**kwargs, tokenizer=tokenizer)
         self._data[key] = (splits.evaluation.tokens, list(splits.evaluation.document_ids),
                            splits.calibration.tokens, splits.corpus,
-                           {n: p.sha256 for n, p in splits.items()})
+                           {n: p.sha256 for n, p in splits.items()}, splits.known_prefix)
     return self._data[key]
 
-  def _capture(self, c: dict, target, tokens, ids, corpus: str, split_hashes: dict) -> str:
+  def _capture(self, c: dict, target, tokens, ids, corpus: str, split_hashes: dict,
+               known_prefix: tuple[int, ...] = ()) -> str:
     """The cell's capture directory, made once (race-safe) and verified: a capture already
     there is used only if it was made from this target, through this defense, with the
     secret the defender's key store holds for it (else store.CaptureError, one line)."""
@@ -177,7 +194,7 @@ class Worker:
         capture_lib.capture_target(str(directory), target.params, target.cfg, tokens, ids, cut,
                                    model_id=target.model_id, corpus=corpus,
                                    split_hashes=split_hashes, training=True, batch_size=batch,
-                                   **kwargs)
+                                   known_prefix=known_prefix, **kwargs)
       except OSError:  # Another worker wrote it first (FileExistsError, or a failed rename).
         if not directory.exists():
           raise

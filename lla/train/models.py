@@ -75,19 +75,18 @@ def load_base(model: ml_collections.ConfigDict) -> tuple[dict, GPT2Config | Deco
   (a wrong path).
   """
   path = gguf_path(model)
-  if path:
+  # Published files carry their own architecture (a checkpoint of lla's, named too, wins
+  # over a directory).
+  published = ({"gguf": path} if path else
+               {"hf_dir": model.hf_dir} if model.hf_dir and not model.checkpoint else None)
+  if published:
     from lla.model.loading import load_model  # pylint: disable=g-import-not-at-top
-    loaded = load_model(ml_collections.ConfigDict({"gguf": path}))
+    loaded = load_model(ml_collections.ConfigDict(published))
     return loaded.params, loaded.cfg, {"source": loaded.source, "params_sha256": loaded.model_id,
                                        "model": loaded.info}
   if model.checkpoint:
     restored = ckpt.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"
-  elif model.hf_dir:
-    from lla.model.loading import load_model  # pylint: disable=g-import-not-at-top
-    loaded = load_model(ml_collections.ConfigDict({"hf_dir": model.hf_dir}))
-    return loaded.params, loaded.cfg, {"source": loaded.source, "params_sha256": loaded.model_id,
-                                       "model": loaded.info}
   elif model.hub:
     params, cfg = hf_io.load_from_hub(model.hub)
     source = f"hub:{model.hub}"

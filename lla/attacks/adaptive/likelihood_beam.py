@@ -217,25 +217,19 @@ class LikelihoodBeam:
     candidates = np.asarray(ws.call(cand_lib.joint_candidates, ranked, clean, c_a=through,
                                     c_g=num - through)) if num > 1 else ranked
 
-    skip = len(ws.known_prefix)
     run = functools.partial(ws.scan, step, (ws.params,), cfg=ws.cfg, k=ws.cut,
                             mechanism=mechanism, prior_weight=prior_weight)
 
     def search(target, cands):
       state = start(target, cfg=ws.cfg, k=ws.cut, width=width)
-      if skip:  # a public BOS: its one candidate, then the search from its caches
-        known = np.broadcast_to(np.asarray(ws.known_prefix, np.int32)[None, :, None],
-                                (target.shape[0], skip, 1))
-        state = run(state, beam.positions(target[:, :skip], jnp.asarray(known)))
-      state = run(state, beam.positions(target[:, skip:], cands[:, skip:].astype(np.int32),
-                                        skip))
-      return state[2][:, 0]
+      return beam.run_after_prefix(run, state, target, cands, ws.known_prefix)[2][:, 0]
 
     d, cfg = ws.cfg.n_embd, ws.cfg
     per_doc = 4.0 * (width * (3 * cfg.n_layer * 2 * ws.seq_len * d + cfg.vocab_size)
                      + width * num * (2 * ws.cut * d + 8 * d))
     predictions = ws.map_documents(search, (ws.activations, candidates), per_doc)
-    analytic = (beam.analytic_flops(cfg, ws.cut, ws.num_docs, width, num, ws.seq_len, skip)
+    analytic = (beam.analytic_flops(cfg, ws.cut, ws.num_docs, width, num, ws.seq_len,
+                                    len(ws.known_prefix))
                 + cand_lib.candidate_flops(ws.activations.size // d, cfg.vocab_size, d))
     if prior_weight > 0:
       analytic += ws.num_docs * ws.seq_len * width * (

@@ -757,10 +757,13 @@ class _EstimateRun:
 
   def result(self) -> registry.AttackResult:
     ws, budget = self.ws, self.budget
-    # Every vocabulary token's row at position 0 (step 1, and the tolerance's position 0).
-    self.table = ws.map_call(first_rows, (np.arange(ws.cfg.vocab_size, dtype=np.int32),),
-                             64.0 * self.d, consts=(ws.params,), cfg=ws.cfg, k=ws.cut)
-    self.analytic += ws.cfg.vocab_size * self.per_token
+    # Every vocabulary token's row at position 0 (step 1, and the tolerance's position 0);
+    # after a public BOS only the BOS's, the one row any document starts with.
+    self.first_tokens = (np.asarray(ws.known_prefix[:1], np.int32) if ws.known_prefix
+                         else np.arange(ws.cfg.vocab_size, dtype=np.int32))
+    self.table = ws.map_call(first_rows, (self.first_tokens,), 64.0 * self.d,
+                             consts=(ws.params,), cfg=ws.cfg, k=ws.cut)
+    self.analytic += len(self.first_tokens) * self.per_token
     self.h_cal = ws.calibration_activations()
     self.analytic += adaptive.client_flops(ws, ws.calibration_tokens.size)
     residual = self.true_row_residual()
@@ -833,14 +836,18 @@ class _EstimateRun:
       if t == 0:
         known_h, scale, gram, norm2 = known.targets(rows)
         for i, token in enumerate(tokens[:, 0]):
-          cost = invariant_cost(jnp.asarray(self.table[token:token + 1]), known_h, scale,
-                                gram[i], norm2[i])
+          cost = invariant_cost(jnp.asarray(self.first_row(token)), known_h, scale, gram[i],
+                                norm2[i])
           worst = max(worst, float(cost[0]))
       candidates = np.repeat(pad(tokens[:, t])[:, None], self.num, 1)
       cost, _, kv = self.score(known, cache, candidates, pad(rows), t)
       worst = max(worst, float(cost[:len(tokens), 0].max()))
       cache[:, :, :, t] = kv
     return max(math.sqrt(worst / (known.count + 1)), 1e-7)
+
+  def first_row(self, token: int) -> np.ndarray:
+    """[1, d] the client's row of `token` at position 0, from the table."""
+    return self.table[np.flatnonzero(self.first_tokens == token)[:1]]
 
   def unproject(self, r_hat: np.ndarray) -> np.ndarray:
     """y R_hat^-1: R_hat^T for an orthogonal estimate, a solve otherwise."""
@@ -859,27 +866,15 @@ class _EstimateRun:
     active = np.ones(num_docs, bool)
     cache = self.empty_cache.copy()
     fallbacks_left = int(self.budget.projection_fallback_rows)
-    # Step 1: position 0 against the table, least ambiguous documents first.
-    first = Known(num_docs, d)
-    norms = np.sum(self.table.astype(np.float64) ** 2, -1)
-    y0 = np.sum(y_all[:, 0].astype(np.float64) ** 2, -1)
-    rel = np.abs(norms[None, :] - y0[:, None]) / y0[:, None]
-    two = np.sort(np.partition(rel, 1, axis=-1)[:, :2], axis=-1)
-    order = np.argsort(two[:, 0] / np.maximum(two[:, 1], 1e-30), kind="stable")
-    ws.count_host(3.0 * num_docs * vocab)
-    tokens0 = np.zeros(num_docs, np.int32)
-    for b in order:
-      known_h, scale, gram, norm2 = first.targets(y_all[b:b + 1, 0])
-      cost = np.asarray(ws.call(table_costs, self.table, known_h, scale, gram[0], norm2[0]))
-      self.analytic += 2.0 * vocab * (num_docs + 1) * d
-      token = int(np.argmin(cost))
-      if math.sqrt(cost[token] / (first.count + 1)) > tolerance:
-        active[b] = False
-        stats["rejected_rows"] += 1
-        continue
-      first.add(self.table[token], y_all[b, 0])
-      known.add(self.table[token], y_all[b, 0])
-      tokens0[b] = token
+    if ws.known_prefix:
+      # Every document starts with the public BOS's row: one pair, whatever its count
+      # (identical rows add no rank), and no search.
+      tokens0 = np.full(num_docs, ws.known_prefix[0], np.int32)
+      known.add(self.table[0], y_all[0, 0])
+      stats["position0_pairs"] = 1
+    else:
+      tokens0 = self.match_first_rows(known, active, stats, tolerance)
+      stats["position0_pairs"] = known.count
     # The prefix caches of position 0 (the same compiled step, each token as every
     # candidate).
     _, _, kv = self.score(known, cache, np.repeat(tokens0[:, None], self.num, 1), y_all[:, 0], 0)
@@ -933,6 +928,35 @@ class _EstimateRun:
     stats["rows_recognised"] = known.count
     stats["rank"] = known.rank()
     return known, stats
+
+  def match_first_rows(self, known: Known, active: np.ndarray, stats: dict,
+                       tolerance: float) -> np.ndarray:
+    """Step 1: each document's first row against the table, least ambiguous documents
+    first; a row matched within tolerance joins `known`, a document without one stops
+    (`active`). Returns the position-0 tokens [B]."""
+    ws, d, vocab = self.ws, self.d, self.ws.cfg.vocab_size
+    num_docs, y_all = ws.num_docs, ws.activations
+    first = Known(num_docs, d)
+    norms = np.sum(self.table.astype(np.float64) ** 2, -1)
+    y0 = np.sum(y_all[:, 0].astype(np.float64) ** 2, -1)
+    rel = np.abs(norms[None, :] - y0[:, None]) / y0[:, None]
+    two = np.sort(np.partition(rel, 1, axis=-1)[:, :2], axis=-1)
+    order = np.argsort(two[:, 0] / np.maximum(two[:, 1], 1e-30), kind="stable")
+    ws.count_host(3.0 * num_docs * vocab)
+    tokens0 = np.zeros(num_docs, np.int32)
+    for b in order:
+      known_h, scale, gram, norm2 = first.targets(y_all[b:b + 1, 0])
+      cost = np.asarray(ws.call(table_costs, self.table, known_h, scale, gram[0], norm2[0]))
+      self.analytic += 2.0 * vocab * (num_docs + 1) * d
+      token = int(np.argmin(cost))
+      if math.sqrt(cost[token] / (first.count + 1)) > tolerance:
+        active[b] = False
+        stats["rejected_rows"] += 1
+        continue
+      first.add(self.table[token], y_all[b, 0])
+      known.add(self.table[token], y_all[b, 0])
+      tokens0[b] = token
+    return tokens0
 
   def search_vocabulary(self, known: Known, cache, y_row, t: int):
     """The whole vocabulary at position t from one document's prefix, B x C tokens per

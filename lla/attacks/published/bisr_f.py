@@ -71,8 +71,9 @@ def match_loss(out: jax.Array, target: jax.Array, kind: str) -> jax.Array:
   return 1.0 - jnp.mean(jnp.sum(out * target, axis=-1) / norms, axis=-1)
 
 
-def _losses(params, cfg: GPT2Config, k: int, e, target, kind: str):
-  out = optimise.embedded_client(params, cfg, e, 0, k)
+def _losses(params, cfg: GPT2Config, k: int, e, target, kind: str, prefix: tuple[int, ...]):
+  out = optimise.embedded_client(params, cfg, optimise.with_known_prefix(params, e, prefix), 0,
+                                 k)
   return match_loss(out, target, kind)
 
 
@@ -83,24 +84,27 @@ def _start(params, tokens, *, lr, weight_decay):
   return e, _optimizer(lr, weight_decay).init(e)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss", "lr", "weight_decay"))
-def _step(params, target, carry, *, cfg, k, loss, lr, weight_decay):
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss", "prefix", "lr",
+                                             "weight_decay"))
+def _step(params, target, carry, *, cfg, k, loss, prefix, lr, weight_decay):
   """One AdamW step of every document: ((e, state), losses [b] before the update)."""
   e, state = carry
-  losses, grad = optimise.losses_and_grad(lambda e_: _losses(params, cfg, k, e_, target, loss), e)
+  losses, grad = optimise.losses_and_grad(
+      lambda e_: _losses(params, cfg, k, e_, target, loss, prefix), e)
   updates, state = _optimizer(lr, weight_decay).update(grad, state, e)
   return (optax.apply_updates(e, updates), state), losses
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss", "decode"))
-def _finish(params, target, e, *, cfg, k, loss, decode):
-  """(tokens [b, T], the loss at e [b]): argmax e . wte^T, or argmin ||e - wte_v||^2."""
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "loss", "decode", "prefix"))
+def _finish(params, target, e, *, cfg, k, loss, decode, prefix):
+  """(tokens [b, T], the loss at e [b]): argmax e . wte^T, or argmin ||e - wte_v||^2; the
+  public prefix in its place."""
   wte = split.wte(params)
   scores = e @ wte.T
   if decode == "nearest":
     scores = 2.0 * scores - jnp.sum(wte**2, axis=-1)
-  tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-  return tokens, _losses(params, cfg, k, e, target, loss)
+  tokens = optimise.pin_known_prefix(jnp.argmax(scores, axis=-1).astype(jnp.int32), prefix)
+  return tokens, _losses(params, cfg, k, e, target, loss, prefix)
 
 
 def bytes_per_doc(ws: Workspace) -> float:
@@ -133,7 +137,7 @@ def refine_chunk(ws: Workspace, budget, h, init_tokens, doc_index, attack: str =
   Returns (tokens [b, T] int32, losses [b, steps], final losses [b]).
   """
   opt = dict(lr=float(budget.bisr_f_lr), weight_decay=float(budget.bisr_f_weight_decay))
-  model = dict(cfg=ws.cfg, k=ws.cut, loss=str(budget.bisr_f_loss))
+  model = dict(cfg=ws.cfg, k=ws.cut, loss=str(budget.bisr_f_loss), prefix=ws.known_prefix)
   target = jnp.asarray(h, jnp.float32)
   carry = ws.call(_start, ws.params, jnp.asarray(init_tokens, jnp.int32), **opt)
   carry, losses = optimise.drive(ws.call, _step, carry, steps=int(budget.bisr_f_steps),

@@ -157,9 +157,11 @@ def _optimizer(lr: float, weight_decay: float) -> optax.GradientTransformation:
   return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)
 
 
-def _losses(params, cfg: GPT2Config, stop: int, z, target, tau: float):
-  """Per-document summed squared error [b] of the relaxed tokens z [b, T, V]."""
-  x = jax.nn.softmax(z / tau, axis=-1) @ split.wte(params)
+def _losses(params, cfg: GPT2Config, stop: int, z, target, tau: float, prefix: tuple[int, ...]):
+  """Per-document summed squared error [b] of the relaxed tokens z [b, T, V], the public
+  prefix's rows held at its embeddings."""
+  x = optimise.with_known_prefix(params, jax.nn.softmax(z / tau, axis=-1) @ split.wte(params),
+                                 prefix)
   out = optimise.embedded_client(params, cfg, x, 0, stop)
   return jnp.sum((out - target) ** 2, axis=(1, 2))
 
@@ -172,21 +174,22 @@ def _start(key, doc_index, *, seq_len, vocab_size, lr, weight_decay):
   return z, _optimizer(lr, weight_decay).init(z)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "stop", "tau", "lr", "weight_decay"))
-def _step(params, target, carry, *, cfg, stop, tau, lr, weight_decay):
+@functools.partial(jax.jit, static_argnames=("cfg", "stop", "tau", "prefix", "lr",
+                                             "weight_decay"))
+def _step(params, target, carry, *, cfg, stop, tau, prefix, lr, weight_decay):
   """One AdamW step on Z of every document: ((Z, state), losses [b] before the update)."""
   z, state = carry
-  losses, grad = optimise.losses_and_grad(lambda z_: _losses(params, cfg, stop, z_, target, tau),
-                                          z)
+  losses, grad = optimise.losses_and_grad(
+      lambda z_: _losses(params, cfg, stop, z_, target, tau, prefix), z)
   updates, state = _optimizer(lr, weight_decay).update(grad, state, z)
   return (optax.apply_updates(z, updates), state), losses
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "stop", "tau"))
-def _finish(params, target, z, *, cfg, stop, tau):
-  """(argmax Z [b, T] int32, the loss at Z [b])."""
-  return (jnp.argmax(z, axis=-1).astype(jnp.int32),
-          _losses(params, cfg, stop, z, target, tau))
+@functools.partial(jax.jit, static_argnames=("cfg", "stop", "tau", "prefix"))
+def _finish(params, target, z, *, cfg, stop, tau, prefix):
+  """(argmax Z [b, T] int32, the public prefix in its place; the loss at Z [b])."""
+  return (optimise.pin_known_prefix(jnp.argmax(z, axis=-1).astype(jnp.int32), prefix),
+          _losses(params, cfg, stop, z, target, tau, prefix))
 
 
 def uses_mapper(ws: Workspace, budget) -> bool:
@@ -216,7 +219,7 @@ def run_chunk(ws: Workspace, budget, key, h, doc_index, mapper_params=None,
   """EIA on one chunk h [b, T, d]: (tokens [b, T], losses [b, steps], final losses [b])."""
   opt = dict(lr=float(budget.eia_lr), weight_decay=float(budget.eia_weight_decay))
   stop = 1 if mapper_params is not None else ws.cut
-  model = dict(cfg=ws.cfg, stop=stop, tau=float(budget.eia_tau))
+  model = dict(cfg=ws.cfg, stop=stop, tau=float(budget.eia_tau), prefix=ws.known_prefix)
   target = jnp.asarray(h, jnp.float32)
   if mapper_params is not None:
     target = ws.call(_apply_mapper, mapper_params, target)

@@ -437,7 +437,8 @@ def backward_stage(ws: Workspace, budget, key: jax.Array, init_provider: InitPro
   `bisr_b[...]` (named by its settings): `bisr` reuses the tokens that `bisr_b` found on
   the same workspace, and both are charged for them in full.
 
-  Position 0 keeps the init's guess: no gradient reaches it, as published.
+  Position 0 keeps the init's guess: no gradient reaches it, as published; after a public
+  BOS (`ws.known_prefix`) it is the BOS.
   """
   hyper = Hyper.of(budget, "bisr_b_steps", "bisr_b_lr")
   temperature = float(budget.bisr_b_init_temp)
@@ -446,11 +447,14 @@ def backward_stage(ws: Workspace, budget, key: jax.Array, init_provider: InitPro
               + 5.0 * ws.num_docs * ws.seq_len * ws.cfg.vocab_size)  # the tempered softmax
 
   def compute():
+    position0 = (np.full(ws.num_docs, ws.known_prefix[0], np.int32) if ws.known_prefix
+                 else None)
     tokens, losses, initial = optimise(ws, name, hyper, tempered(init.logits, temperature),
-                                       None)
+                                       position0)
     return tokens, summary(losses, initial, hyper,
                            init=f"softmax({init.name} logits / {temperature:g})",
-                           position0=f"argmax of the {init.name} init (no gradient reaches it)")
+                           position0=position0_source(ws) if ws.known_prefix else
+                           f"argmax of the {init.name} init (no gradient reaches it)")
 
   settings = (f"steps={hyper.steps},lr={hyper.lr:g},beta={hyper.beta:g},"
               f"wd={hyper.weight_decay:g},eps={hyper.eps:g},temp={temperature:g},"

@@ -254,10 +254,13 @@ class Inverter:
     return ws.call(_tokens, self.params, jnp.asarray(h, jnp.float32), **self._static())
 
   def predict(self, ws: Workspace) -> np.ndarray:
-    """argmax tokens [B, T] int32 of every captured message, in memory-bounded chunks."""
+    """argmax tokens [B, T] int32 of every captured message, in memory-bounded chunks; a
+    public prefix (the BOS, `ws.known_prefix`) in its place."""
     bytes_per_doc = 4.0 * ws.seq_len * (3 * self.vocab_size + 4 * self.settings.hidden)
-    return ws.map_call(_tokens, (ws.activations,), bytes_per_doc, consts=(self.params,),
-                       **self._static()).astype(np.int32)
+    tokens = np.array(ws.map_call(_tokens, (ws.activations,), bytes_per_doc,
+                                  consts=(self.params,), **self._static()), np.int32)
+    tokens[:, :len(ws.known_prefix)] = ws.known_prefix
+    return tokens
 
   def inference_flops(self, num_docs: int, seq_len: int, dim: int) -> float:
     """Analytic FLOPs of `predict` on num_docs documents."""

@@ -104,14 +104,22 @@ def search(params, cfg: GPT2Config, k: int, target, candidates, width: int,
   _validate(cfg, k, target, candidates, width)
   target, candidates = jnp.asarray(target), jnp.asarray(candidates, jnp.int32)
   state = start(target, cfg=cfg, k=k, width=width)
+  run = lambda state, inputs: scan(step, (params,), state, inputs, cfg=cfg)
+  _, tokens, scores = run_after_prefix(run, state, target, candidates, prefix)
+  return tokens[:, 0], scores[:, 0]
+
+
+def run_after_prefix(run, state, target, candidates, prefix: tuple[int, ...]):
+  """The beam loop `run(state, inputs) -> state` over every position of target [B, T, d]:
+  the P positions of the public prefix first, each with its one known candidate, then the
+  others with their candidates [B, T, C] from the prefix's caches. Returns the state."""
   skip = len(prefix)
   if skip:
     known = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32)[None, :, None],
                              (target.shape[0], skip, 1))
-    state = scan(step, (params,), state, positions(target[:, :skip], known), cfg=cfg)
-  _, tokens, scores = scan(step, (params,), state,
-                           positions(target[:, skip:], candidates[:, skip:], skip), cfg=cfg)
-  return tokens[:, 0], scores[:, 0]
+    state = run(state, positions(target[:, :skip], known))
+  return run(state, positions(target[:, skip:], jnp.asarray(candidates[:, skip:], jnp.int32),
+                              skip))
 
 
 def positions(target: jax.Array, candidates: jax.Array, first: int = 0) -> tuple:
