@@ -37,7 +37,9 @@ $LLA_MALLOPT overrides or adds settings ("mmap_max=0,arena_max=1,top_pad=6710886
 are glibc's M_* without the prefix, lower case). Where malloc is not glibc's (musl,
 another libc), nothing is applied and one line on stderr says so; where another allocator
 was preloaded (LD_PRELOAD of TCMalloc, jemalloc, mimalloc), it is used as it is, silently.
-`record()` is what a run's provenance records: which allocator ran and with which settings.
+`heap_usage()` says what malloc holds in use and free; `release_free()` returns the free
+blocks' pages to the OS between large units of work. `record()` is what a run's provenance
+records: which allocator ran and with which settings.
 """
 
 from __future__ import annotations
@@ -153,6 +155,27 @@ def heap_usage() -> dict | None:
   mallinfo2.restype = _MallInfo2
   info = mallinfo2()
   return {"in_use_mb": (info.uordblks + info.hblkhd) / 2**20, "free_mb": info.fordblks / 2**20}
+
+
+def release_free() -> bool:
+  """Gives the pages of the heap's free blocks back to the OS (glibc's malloc_trim(0)).
+
+  The tuned heap never trims itself, so its resident size is its high-water mark. A job
+  whose units each churn through gigabytes (the main job's defended fine-tunes of a 135M
+  model) fragments it: freed blocks too small for the next large request stay resident
+  while the heap grows past them. Called between such units, the free blocks' pages leave
+  RSS (to be faulted in again when reused: once per unit, not once per call). Returns
+  whether anything was released; False where malloc is not glibc's.
+  """
+  library = _malloc_library()
+  if library and not os.path.basename(library).startswith("libc.so"):
+    return False
+  try:
+    malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+  except (OSError, AttributeError):
+    return False
+  malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+  return bool(malloc_trim(0))
 
 
 def record() -> dict:

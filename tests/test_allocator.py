@@ -210,3 +210,27 @@ def test_heap_usage_counts_what_is_held_and_what_is_kept_free():
   assert held["in_use_mb"] - after["in_use_mb"] >= 255
   if allocator.record().get("mode") == "tuned":
     assert after["free_mb"] - held["free_mb"] >= 255  # kept in the heap, not unmapped
+
+
+@glibc_only
+def test_release_free_gives_a_freed_blocks_pages_back():
+  """A 256 MiB block written and freed stays resident in the tuned heap (it never trims);
+  release_free() takes it out of RSS, as the kernel's own VmRSS says, in a fresh process."""
+  result = subprocess.run([sys.executable, "-c", """
+import ctypes, json
+import lla
+from lla import allocator
+""" + CYCLES + """
+block = libc.malloc(256 << 20); ctypes.memset(block, 1, 256 << 20)
+written = resident()
+libc.free(block)
+freed = resident()
+released = allocator.release_free()
+print(json.dumps({"written": written, "freed": freed, "after": resident(),
+                  "released": released, "record": allocator.record()}))
+"""], capture_output=True, text=True, check=True, timeout=120,
+      env={k: v for k, v in os.environ.items() if k not in ("LLA_ALLOCATOR", "LLA_MALLOPT")})
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out["record"]["mode"] == "tuned"
+  assert out["written"] - out["freed"] < 16 * MIB  # freed, still resident
+  assert out["released"] and out["freed"] - out["after"] >= 240 * MIB

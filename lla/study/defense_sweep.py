@@ -30,6 +30,7 @@ import pathlib
 import ml_collections
 from tqdm import tqdm
 
+from lla import allocator
 from lla import defenses
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
@@ -188,6 +189,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   keys = KeyStore(workdir / KEY_STORE)
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), undefended in tqdm(jobs, desc="defenses", unit="capture"):
+    # Each job fine-tunes, captures and attacks anew: the heap's free pages from the last
+    # one go back to the OS rather than add up (lla.allocator.release_free).
+    allocator.release_free()
     label = f"{name}_{param}{strength}"
     defense = defenses.make(name, **{param: strength})
     secret = keys.secret(f"{label}/m{undefended.model_seed}") if defense.has_secret else None

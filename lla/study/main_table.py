@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import json
+import os
 import pathlib
 import time
 
@@ -102,13 +103,22 @@ def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_mb() -> float:
+  """The process's resident set now (/proc/self/statm, in pages)."""
+  with open("/proc/self/statm") as statm:
+    return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _phase(workdir: pathlib.Path, name: str) -> None:
   """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
   one, or the invocation, does), with the process's peak RSS so far (the phase whose end
-  raises it holds the job's peak) and malloc's bytes in use and free as it starts (what
-  the phases before it left held, and what the allocator keeps; lla.allocator.heap_usage). A long study's compiled executables are dropped here before they
-  exhaust the process's memory mappings (lla.runtime)."""
+  raises it holds the job's peak) and, once the heap's free pages are given back
+  (lla.allocator.release_free), malloc's bytes in use and kept free
+  (lla.allocator.heap_usage: what the phases before it left held) and the RSS left. A long
+  study's compiled executables are dropped here before they exhaust the process's memory
+  mappings (lla.runtime)."""
   runtime.release_compiled_when_crowded()
+  allocator.release_free()
   logging.info("== phase: %s", name)
   tqdm.write(f"[main_table] phase: {name}")
   path = workdir / TIMING
@@ -116,7 +126,7 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     timing = files.read_json(str(path))
     timing["invocations"][-1].setdefault("phases", []).append(
         {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb(),
-         "heap": allocator.heap_usage()})
+         "heap": allocator.heap_usage(), "rss_mb": _rss_mb()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
