@@ -31,10 +31,11 @@ from lla.train import models
 # A --workdir another writer holds: one line naming the holder. A --workdir whose study
 # another config or binary started, or that fails verification: one line saying so. A GGUF
 # model that cannot be read, a tokenizer whose BOS policy the job cannot follow, a published
-# model whose weights no directory names: one line, before any write.
+# model whose weights no directory names, a phase asked for more documents than the job
+# draws: one line, before any write.
 _REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError,
-             main_table.WorkdirMismatch, gguf_io.GGUFError, models.TokenizerPolicyError,
-             models.MissingWeightsError)
+             main_table.WorkdirMismatch, main_table.DocumentCountError, gguf_io.GGUFError,
+             models.TokenizerPolicyError, models.MissingWeightsError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

@@ -133,6 +133,18 @@ def apply() -> dict:
   return record()
 
 
+def _glibc_malloc_function(name: str):
+  """glibc's malloc-introspection function `name`, or None where this process's malloc is
+  another library's (its statistics would describe a heap nobody uses) or glibc lacks it."""
+  library = _malloc_library()
+  if library and not os.path.basename(library).startswith("libc.so"):
+    return None
+  try:
+    return getattr(ctypes.CDLL("libc.so.6"), name)
+  except (OSError, AttributeError):
+    return None
+
+
 class _MallInfo2(ctypes.Structure):
   _fields_ = [(name, ctypes.c_size_t) for name in (
       "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -145,12 +157,8 @@ def heap_usage() -> dict | None:
   buffers), and what it keeps free in its heap (never given back under the tuned settings:
   RSS less the first is the allocator's share). None where malloc is not glibc's or glibc
   is older than 2.33 (no mallinfo2)."""
-  library = _malloc_library()
-  if library and not os.path.basename(library).startswith("libc.so"):
-    return None
-  try:
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-  except (OSError, AttributeError):
+  mallinfo2 = _glibc_malloc_function("mallinfo2")
+  if mallinfo2 is None:
     return None
   mallinfo2.restype = _MallInfo2
   info = mallinfo2()
@@ -167,12 +175,8 @@ def release_free() -> bool:
   RSS (to be faulted in again when reused: once per unit, not once per call). Returns
   whether anything was released; False where malloc is not glibc's.
   """
-  library = _malloc_library()
-  if library and not os.path.basename(library).startswith("libc.so"):
-    return False
-  try:
-    malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-  except (OSError, AttributeError):
+  malloc_trim = _glibc_malloc_function("malloc_trim")
+  if malloc_trim is None:
     return False
   malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
   return bool(malloc_trim(0))

@@ -226,6 +226,19 @@ def test_main_job_refuses_a_workdir_whose_study_another_binary_started(tmp_path)
   assert _tree(tmp_path) == before
 
 
+def test_main_job_refuses_more_phase_documents_than_it_draws(tmp_path):
+  """defense_docs or published.docs above data.n_eval would run on fewer documents than
+  asked, silently: one line naming both values, and no workdir."""
+  for flag, field in (("--config.defense_docs=49", "defense_docs = 49"),
+                      ("--config.published.docs=49", "published.docs = 49")):
+    workdir = tmp_path / field.split()[0]
+    line = _one_line(_run("main_table", "--config=configs/main_table.py:tiny",
+                          "--config.data.n_eval=48", flag, f"--workdir={workdir}"), flag)
+    assert line == (f"error: config.{field} exceeds config.data.n_eval = 48, the evaluation "
+                    "documents it is taken from; raise data.n_eval or lower it"), line
+    assert not workdir.exists()
+
+
 def test_sweep_binary_refuses_a_bad_grid_before_writing(tmp_path):
   """An unknown cell id, attack or plugin: one line naming it, and no sweep directory."""
   workdir = tmp_path / "sweep"

@@ -60,6 +60,23 @@ class WorkdirMismatch(ValueError):
   it, or it fails verification."""
 
 
+class DocumentCountError(ValueError):
+  """The config asks a phase for more evaluation documents than the job draws."""
+
+
+def check_document_counts(config: ml_collections.ConfigDict) -> None:
+  """The defended captures and the published attacks take the first documents of the
+  evaluation split; asked for more than it holds, they would run on fewer, silently (and a
+  defense gate's floor would be wider than its config says)."""
+  n_eval = int(config.data.n_eval)
+  for field, wanted in (("defense_docs", config.defense_docs),
+                        ("published.docs", config.published.docs)):
+    if int(wanted) > n_eval:
+      raise DocumentCountError(
+          f"config.{field} = {int(wanted)} exceeds config.data.n_eval = {n_eval}, the "
+          "evaluation documents it is taken from; raise data.n_eval or lower it")
+
+
 # Fine-tuned copies held in memory at once: the defense phase cycles over one per model seed
 # (3 in every CPU variant), and each phase goes over the copies in order, so no copy is
 # restored twice within a phase.
@@ -338,6 +355,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   write: a second main job or a replay on the same --workdir is refused with one line
   naming this one, before it writes anything.
   """
+  check_document_counts(config)
   study = pathlib.Path(workdir) / STUDY
   with rundir.locked(str(study), what="experiments.main_table"):
     return _run_locked(config, pathlib.Path(workdir))
