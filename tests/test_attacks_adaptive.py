@@ -172,6 +172,27 @@ def test_projection_adaptive_one_document(case, setting):
   assert result.details["exact"]
 
 
+def test_projection_adaptive_a_failed_document_does_not_stop_the_others(case):
+  """Document 0's messages are the client's through position 2 and noise (of the true
+  norms) after it, as if they came from other weights: it stops matching at position 3.
+  Its rows after that are not the client rows behind its messages, so they must stay out
+  of the subspace that ranks every document's candidates: with a budget that relies on
+  that ranking (no vocabulary scan), every other document is still recovered exactly,
+  and document 0 through position 2."""
+  _, _, truth, h = case
+  y = np.array(haar_capture(h))
+  noise = np.random.default_rng(1).normal(size=y[0, 3:].shape)
+  y[0, 3:] = noise * (np.linalg.norm(y[0, 3:], axis=-1, keepdims=True)
+                      / np.linalg.norm(noise, axis=-1, keepdims=True))
+  result, _ = registry.execute(
+      "projection_adaptive", workspace(case, y, HAAR),
+      budget(projection_candidates=8, projection_max_candidates=32,
+             projection_fallback_rows=0), jax.random.key(0))
+  np.testing.assert_array_equal(result.predictions[1:], truth[1:])
+  np.testing.assert_array_equal(result.predictions[0, :3], truth[0, :3])
+  assert result.details["inexact_documents"] == 1
+
+
 def test_projection_adaptive_inexact_weights_take_the_nearest(case):
   """Attacker weights that differ from the client's: no Gram row matches anywhere, so no
   position widens its search; each keeps its lowest invariant distance, and the record says

@@ -20,9 +20,10 @@ vmapped over documents, beams and candidates):
       forward); a document's candidates are all tokens ranked by
       |norm(client(v)_0) - norm(y_0)| (stable: ties to the lower token id). After a public
       BOS (E.C.known_prefix) the only candidate is the BOS.
-  G2. Positions t >= 1: the rows already chosen in every document (K: each document's
-      best beam before t; rows that matched are exact, the rows of a document whose
-      prefix stopped matching approximate) span a subspace with orthonormal basis B;
+  G2. Positions t >= 1: the rows already recognised (K: the rows of each document's best
+      beam before t whose prefix matched through them, so exact; only while no row has
+      matched anywhere, as under inexact weights, every best beam's rows, approximate)
+      span a subspace with orthonormal basis B;
       h_t B = (y_t Y_K^T) U S^-1 (H_K = U S V^T, B = V) is known exactly from inner
       products, and so is the norm of the rest, |h_t (I - B B^T)|. Candidates are ranked
       by the distance (the bound of G3) from a linear surrogate of their client row to
@@ -594,11 +595,21 @@ class _GramRun:
     max_rms, runner = 0.0, math.inf  # runner: the smallest RMS at t >= 1 that did not match
     everyone = np.arange(num_docs)
     for t in range(seq_len):
-      # G2: the partial view through K, every best beam's rows before t (exact where
-      # they matched; a document with an inexact prefix adds its rows as approximations).
-      basis, view, rest, r = invariant_view(state["rows"][:, 0, :t].reshape(-1, d),
-                                            y[:, :t].reshape(-1, d), y[:, t], norm2[:, t])
-      known = num_docs * t
+      # G2: the partial view through K: the best beams' rows before t whose prefix
+      # matched through them, exact pairs with their messages. A position-0 match is one
+      # norm, so it counts once position 1 has matched too. Only where no row has matched
+      # (inexact weights) do the approximate rows stand in: paired with messages they were
+      # not computed from, they bend every document's view (on SmolLM2 at 48 documents the
+      # few that failed early stopped every other by position 4).
+      exact_rows = np.logical_and.accumulate(matched[:, 0, :t], axis=1)
+      if t > 1:
+        exact_rows[~exact_rows[:, 1]] = False
+      exact_rows = exact_rows.reshape(-1)
+      pairs = exact_rows if exact_rows.any() else np.ones_like(exact_rows)
+      basis, view, rest, r = invariant_view(state["rows"][:, 0, :t].reshape(-1, d)[pairs],
+                                            y[:, :t].reshape(-1, d)[pairs], y[:, t],
+                                            norm2[:, t])
+      known = int(pairs.sum())
       ws.count_host(4.0 * known * d * min(known, d) + 2.0 * num_docs * known * d)
       targets = self.targets(y, norm2, t, view, rest)
       live = exact.any(1)
