@@ -146,6 +146,25 @@ def memory_mappings() -> tuple[int, int] | None:
   return held, limit
 
 
+def held_arrays(largest: int = 3) -> dict:
+  """The JAX arrays alive in this process: how many, their bytes on this host's devices
+  in MB, and the `largest` (dtype, shape) groups by bytes ("float32[49152,576] x 4:
+  432.0 MB"). Set beside malloc's bytes in use (lla.allocator.heap_usage), this says how
+  much of the heap the arrays a run still references hold; on CPU their buffers are
+  malloc's blocks, the rest is numpy, compiled executables and Python."""
+  groups: dict[str, list[int]] = {}
+  for array in jax.live_arrays():
+    size = sum(shard.data.nbytes for shard in array.addressable_shards)
+    group = groups.setdefault(f"{array.dtype}{list(array.shape)}".replace(" ", ""), [0, 0])
+    group[0] += 1
+    group[1] += size
+  ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:largest]
+  return {"count": sum(count for count, _ in groups.values()),
+          "mb": sum(size for _, size in groups.values()) / 2**20,
+          "largest": [f"{name} x {count}: {size / 2**20:.1f} MB"
+                      for name, (count, size) in ranked]}
+
+
 def release_compiled_when_crowded(fraction: float = CROWDED_FRACTION) -> bool:
   """Drops every cached compiled executable (JAX's and lla's) when this process holds
   more than `fraction` of the kernel's memory-mapping limit (module docstring); returns

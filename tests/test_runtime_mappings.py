@@ -57,3 +57,19 @@ def test_uncrowded_process_keeps_its_executables():
   assert _through_jit._cache_size() == SHAPES
   assert sum(key[0] is _through_workspace for key in workspace._EXECUTABLES) == SHAPES
   assert held_mappings() == held
+
+
+def test_held_arrays_counts_the_live_arrays_bytes_by_shape():
+  every = 10**6  # groups listed: all of them (other tests' arrays may still be alive)
+  before = runtime.held_arrays(largest=every)
+  big = jnp.zeros((301, 701), jnp.float32)       # 843,604 bytes
+  pair = [jnp.ones((5, 3), jnp.int8) for _ in range(2)]  # 15 bytes each
+  held = runtime.held_arrays(largest=every)
+  assert held["count"] == before["count"] + 3
+  assert abs((held["mb"] - before["mb"]) * 2**20 - (301 * 701 * 4 + 2 * 15)) < 1e-3
+  assert "float32[301,701] x 1: 0.8 MB" in held["largest"]
+  assert "int8[5,3] x 2: 0.0 MB" in held["largest"]
+  sizes = [float(line.split(": ")[1].split()[0]) for line in held["largest"]]
+  assert sizes == sorted(sizes, reverse=True)
+  del big, pair
+  assert runtime.held_arrays(largest=every)["count"] == before["count"]

@@ -31,9 +31,7 @@ import ml_collections
 from absl import logging
 from tqdm import tqdm
 
-from lla import allocator
-from lla import runtime
-from lla import defenses
+from lla import allocator, defenses, runtime
 from lla.attacks import memory, registry
 from lla.replay import driver as replay
 from lla.capture import capture, store
@@ -196,8 +194,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
     allocator.release_free()
     label = f"{name}_{param}{strength}"
     # What the jobs before this one left held (a job's growth shows between two lines).
-    logging.info("defenses: before %s/m%d: malloc %s, memory mappings %s", label,
-                 undefended.model_seed, allocator.heap_usage(), runtime.memory_mappings())
+    logging.info("defenses: before %s/m%d: malloc %s, JAX arrays %s, memory mappings %s",
+                 label, undefended.model_seed, allocator.heap_usage(), runtime.held_arrays(),
+                 runtime.memory_mappings())
     defense = defenses.make(name, **{param: strength})
     secret = keys.secret(f"{label}/m{undefended.model_seed}") if defense.has_secret else None
     record = defense.to_record(secret)

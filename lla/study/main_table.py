@@ -131,7 +131,8 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
   one, or the invocation, does), with the process's peak RSS so far (the phase whose end
   raises it holds the job's peak) and, once the heap's free pages are given back
   (lla.allocator.release_free), malloc's bytes in use and kept free
-  (lla.allocator.heap_usage: what the phases before it left held) and the RSS left. A long
+  (lla.allocator.heap_usage: what the phases before it left held), how much of it is JAX
+  arrays still referenced (lla.runtime.held_arrays) and the RSS left. A long
   study's compiled executables are dropped here before they exhaust the process's memory
   mappings (lla.runtime)."""
   runtime.release_compiled_when_crowded()
@@ -143,7 +144,8 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     timing = files.read_json(str(path))
     timing["invocations"][-1].setdefault("phases", []).append(
         {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb(),
-         "heap": allocator.heap_usage(), "rss_mb": _rss_mb()})
+         "heap": allocator.heap_usage(), "jax_arrays": runtime.held_arrays(),
+         "rss_mb": _rss_mb()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
@@ -344,6 +346,7 @@ def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
     invocations[-1]["finished_unix"] = when
     invocations[-1]["peak_rss_mb"] = _peak_rss_mb()
     invocations[-1]["heap"] = allocator.heap_usage()
+    invocations[-1]["jax_arrays"] = runtime.held_arrays()
   workdir.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), {"invocations": invocations}, overwrite=True)
 
