@@ -1,6 +1,8 @@
 """Shared pytest fixtures."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,23 @@ import pytest
 import lla  # noqa: F401  malloc tuned before the tests allocate (lla/allocator.py)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+  """Every XLA executable this process compiles is cached on disk for the rest of the run,
+  set before any test module is imported (JAX decides at its first compilation whether a
+  cache is used). Tests build the same computations under new closures (each main-job
+  fixture's models, a regeneration after its job, a module recompiling what the mapping
+  limit dropped), which JAX's in-memory caches miss and this one, keyed by the computation,
+  loads instead: 128 s of XLA's compiling saved in a run of the whole suite, of 1,959 s
+  (docs/benchmarks.md section 13). One directory per process: JAX writes an entry in place, unsafe for two
+  writers (pytest-xdist's workers). A loaded executable is the compiled one, its FLOP and
+  memory analyses included (tests/test_runtime_compilation_cache.py)."""
+  from lla import runtime
+
+  directory = tempfile.mkdtemp(prefix="lla-test-xla-")
+  config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+  runtime.configure(directory)
 
 
 @pytest.fixture(autouse=True, scope="module")
