@@ -13,20 +13,35 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config):
-  """Every XLA executable this process compiles is cached on disk for the rest of the run,
-  set before any test module is imported (JAX decides at its first compilation whether a
-  cache is used). Tests build the same computations under new closures (each main-job
-  fixture's models, a regeneration after its job, a module recompiling what the mapping
-  limit dropped), which JAX's in-memory caches miss and this one, keyed by the computation,
-  loads instead: 128 s of XLA's compiling saved in a run of the whole suite, of 1,959 s
-  (docs/benchmarks.md section 13). One directory per process: JAX writes an entry in place, unsafe for two
-  writers (pytest-xdist's workers). A loaded executable is the compiled one, its FLOP and
-  memory analyses included (tests/test_runtime_compilation_cache.py)."""
+  """A worker is pinned to its share of the CPUs (`_pin_xdist_worker`), and every XLA
+  executable this process compiles is cached on disk for the rest of the run, both set
+  before any test module is imported (JAX decides at its first compilation whether a cache
+  is used). Tests build the same computations under new closures (each main-job fixture's
+  models, a regeneration after its job, a module recompiling what the mapping limit
+  dropped), which JAX's in-memory caches miss and this one, keyed by the computation, loads
+  instead: 128 s of XLA's compiling saved in a run of the whole suite, of 1,959 s
+  (docs/benchmarks.md section 13). One directory per process: JAX writes an entry in
+  place, unsafe for two writers (pytest-xdist's workers). A loaded executable is the
+  compiled one, its FLOP and memory analyses included
+  (tests/test_runtime_compilation_cache.py)."""
   from lla import runtime
 
+  _pin_xdist_worker(runtime)
   directory = tempfile.mkdtemp(prefix="lla-test-xla-")
   config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
   runtime.configure(directory)
+
+
+def _pin_xdist_worker(runtime) -> None:
+  """A pytest-xdist worker runs on its own share of the CPUs (`-n 2` on two cores: one core
+  each), set before its first computation: unpinned, each worker's XLA thread pool spans
+  every core and their idle threads spin against the other worker's work (lla.runtime;
+  17-23% of the wall time of four compile-heavy files, docs/benchmarks.md section 13). What
+  a test starts (binaries, Ray nodes, jax.distributed processes) inherits the share."""
+  worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+  if worker:
+    runtime.pin_to_cpu_share(int(worker.removeprefix("gw")),
+                             int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,7 +64,8 @@ def data_dir() -> Path:
   path = Path(from_env) if from_env else _REPO_ROOT.parent / "shared" / "data"
   if not path.is_dir():
     pytest.fail(
-        f"Test data not found at {path} (from {'$LLA_DATA_DIR' if from_env else 'the default <repo>/../shared/data'}). "
+        f"Test data not found at {path} (from "
+        f"{'$LLA_DATA_DIR' if from_env else 'the default <repo>/../shared/data'}). "
         "Set LLA_DATA_DIR to a directory holding wikitext-2/ and gpt2-tokenizer/.",
         pytrace=False,
     )
