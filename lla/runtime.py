@@ -37,8 +37,8 @@ every attack through lla.replay.driver.execute, test modules): when the process 
 than half the limit, every cache is dropped and what runs next recompiles (from the
 persistent cache where it is on).
 
-Several processes that share one machine (pytest-xdist's workers, local sweep workers) each
-get a disjoint share of its CPUs (`pin_to_cpu_share`), set before the process's first
+Several processes that share one machine (pytest-xdist's workers in the test suite) can
+each take a disjoint share of its CPUs (`pin_to_cpu_share`), set before the process's first
 computation: XLA:CPU sizes its intra-op thread pool from the CPUs a process may run on, and
 its idle threads spin before they sleep, so two unpinned processes on two cores take turns
 at spinning. Four compile-heavy test files under `pytest -n 2`: 183-185 s pinned against

@@ -26,18 +26,18 @@ def pytest_configure(config):
   (tests/test_runtime_compilation_cache.py)."""
   from lla import runtime
 
-  _pin_xdist_worker(runtime)
+  _pin_xdist_worker()
   directory = tempfile.mkdtemp(prefix="lla-test-xla-")
   config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
   runtime.configure(directory)
 
 
-def _pin_xdist_worker(runtime) -> None:
+def _pin_xdist_worker() -> None:
   """A pytest-xdist worker runs on its own share of the CPUs (`-n 2` on two cores: one core
-  each), set before its first computation: unpinned, each worker's XLA thread pool spans
-  every core and their idle threads spin against the other worker's work (lla.runtime;
-  17-23% of the wall time of four compile-heavy files, docs/benchmarks.md section 13). What
-  a test starts (binaries, Ray nodes, jax.distributed processes) inherits the share."""
+  each), set before its first computation; why, in lla.runtime. What a test starts
+  (binaries, Ray nodes, jax.distributed processes) inherits the share."""
+  from lla import runtime
+
   worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
   if worker:
     runtime.pin_to_cpu_share(int(worker.removeprefix("gw")),
