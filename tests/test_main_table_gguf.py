@@ -1,15 +1,17 @@
 """The main job on a model that brings its own weights and tokenizer: a GGUF file.
 
 The tiny random Llama of test_real_weights (a byte-level vocabulary of 256 ids, written as a
-float32 GGUF file) is the base of `configs/main_table.py:tiny` through `--config.model.gguf`,
-with the phases that do not depend on where the base comes from turned off. Checked against
-what the file and the text say, not against lla: no pre-training ran; every evaluation and
-calibration passage is a run of WikiText-2 bytes (the model's own tokens, where GPT-2's ids
-would not even fit its vocabulary); the public target's captured h is transformers' hidden
-state of the model written to the file; the trained-knowledge attacker reloads the GGUF, and
-every prediction regenerates bit for bit from the study.
+float32 GGUF file whose tokenizer prepends a BOS, id 1) is the base of
+`configs/main_table.py:tiny` through `--config.model.gguf`, with the phases that do not
+depend on where the base comes from turned off, and the FLOP-matched frontier and the active
+tier on. Checked against what the file and the text say, not against lla: no pre-training
+ran; every evaluation and calibration passage is the BOS and then a run of WikiText-2 bytes
+(the model's own tokens, where GPT-2's ids would not even fit its vocabulary); the public
+target's captured h is transformers' hidden state of the model written to the file; every
+attack is scored after the BOS; the trained-knowledge attacker reloads the GGUF, and every
+prediction regenerates bit for bit from the study. One job serves every test: the same file
+without a BOS is the base of test_real_weights.
 """
-
 import json
 import pathlib
 import shutil
@@ -55,26 +57,13 @@ def job(tmp_path_factory, data_dir, monkeypatch_module):
   monkeypatch_module.setenv("LLA_DATA_DIR", str(data_dir))
   monkeypatch_module.setenv("LLA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
   root = tmp_path_factory.mktemp("gguf_job")
-  path = gguf_file(root / "tiny.gguf")
-  config = _config(path)
-  report = main_table.run(config, str(root / "work"))
-  return config, path, root / "work", report
-
-
-@pytest.fixture(scope="module")
-def bos_job(tmp_path_factory, data_dir, monkeypatch_module):
-  """The same job on the same weights, written with a tokenizer that prepends BOS, with the
-  active tier."""
-  monkeypatch_module.setenv("LLA_DATA_DIR", str(data_dir))
-  monkeypatch_module.setenv("LLA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-  root = tmp_path_factory.mktemp("gguf_bos_job")
   path = gguf_file(root / "bos.gguf", add_bos=True)
   config = _config(path)
   # The active tier and the frontier on the file's model, their documents cut by its
   # tokenizer.
   config.active.enabled = config.frontier.enabled = True
-  main_table.run(config, str(root / "work"))
-  return root / "work"
+  report = main_table.run(config, str(root / "work"))
+  return config, path, root / "work", report
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +89,21 @@ def test_no_pretraining_and_the_report_names_the_file(job):
 
 
 def test_passages_are_the_models_own_tokens(job, data_dir):
-  """Each evaluation document and calibration passage decodes byte by byte to a run of the
-  WikiText-2 text of its split; the study pins the byte-level tokenizer."""
+  """Each evaluation document and calibration passage is the BOS, then a run of bytes of
+  the WikiText-2 text of its split; the study pins the byte-level tokenizer."""
   _, _, work, _ = job
   text = {split: (data_dir / "wikitext-2" / f"{split}.txt").read_bytes()
           for split in ("test", "train")}
   truth = load_file(str(work / main_table.CAPTURES / "k2_public_m0" / "truth.safetensors"))
   documents = truth["tokens"]
-  assert documents.shape == (48, 32) and documents.max() < 256
+  assert documents.shape == (48, 32) and documents.max() < 256 and (documents[:, 0] == 1).all()
   for row in documents:
-    assert text_bytes(row) in text["test"]
+    assert text_bytes(row[1:]) in text["test"]
   calibration, = (work / main_table.STUDY / "inputs").glob("calibration_*.npy")
   passages = np.load(calibration)
-  assert passages.shape == (16, 32)
+  assert passages.shape == (16, 32) and (passages[:, 0] == 1).all()
   for row in passages:
-    assert text_bytes(row) in text["train"]
+    assert text_bytes(row[1:]) in text["train"]
   pinned = tokenizers.Tokenizer.from_file(str(work / main_table.STUDY / "inputs" /
                                               "tokenizer.json"))
   assert pinned.get_vocab() == {symbol: i for i, symbol in enumerate(ALPHABET)}
@@ -172,12 +161,12 @@ def _check_bos_captures(captures, data_dir) -> None:
       assert text_bytes(row[1:]) in text
 
 
-def test_the_frontier_cuts_its_documents_with_the_models_tokenizer(bos_job, data_dir):
+def test_the_frontier_cuts_its_documents_with_the_models_tokenizer(job, data_dir):
   """The FLOP-matched frontier's cells capture the file's model's documents (the BOS, then
   bytes of the test text: GPT-2's ids would overflow its 256-token vocabulary), record the
   BOS in E, and every point is scored after it: its recovery is the stored predictions'
   hits on positions 1..31."""
-  frontier = bos_job / main_table.FRONTIER
+  frontier = job[2] / main_table.FRONTIER
   _check_bos_captures(frontier / "captures", data_dir)
   study = frontier / "study"
   assert rundir.verify(str(study)) == []
@@ -215,20 +204,16 @@ def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_
     bridge.read(copy)
 
 
-def test_with_a_bos_every_document_starts_with_it_and_no_attack_is_scored_there(bos_job,
-                                                                               data_dir):
-  """Documents are the BOS and 31 bytes of the test text; every record is scored after it;
-  the paired difference the primary test bootstraps is, per model and document, the joint
-  minus activation hits over positions 1..31 of the stored predictions, in pp of 31
-  positions; every prediction regenerates (the attacker reloads the known prefix too)."""
-  study = bos_job / main_table.STUDY
+def test_with_a_bos_no_attack_is_scored_there(job):
+  """Every record is scored after the BOS; the paired difference the primary test
+  bootstraps is, per model and document, the joint minus activation hits over positions
+  1..31 of the stored predictions, in pp of 31 positions. (Every prediction, the attacker
+  reloading the known prefix too, regenerates: test_trained_knowledge_attacker_...)"""
+  work = job[2]
+  study = work / main_table.STUDY
   assert rundir.verify(str(study)) == []
-  text = (data_dir / "wikitext-2" / "test.txt").read_bytes()
-  truth = load_file(str(bos_job / main_table.CAPTURES / "k2_public_m0" / "truth.safetensors"))
-  documents = truth["tokens"]
-  assert documents.shape == (48, 32) and (documents[:, 0] == 1).all()
-  for row in documents:
-    assert text_bytes(row[1:]) in text
+  documents = load_file(str(work / main_table.CAPTURES / "k2_public_m0" /
+                            "truth.safetensors"))["tokens"]
   records = [r for r in rundir.load_records(str(study)) if not r.attack.startswith("decoy_")]
   assert records and {r.scored_positions for r in records} == {"after_bos"}
   hits = {}
@@ -246,7 +231,6 @@ def test_with_a_bos_every_document_starts_with_it_and_no_attack_is_scored_there(
   assert scale == pytest.approx(100 / 31)
   card = json.loads((study / "scorecard.json").read_text())
   assert card["undefended"][0]["pooled"]["activation"]["n"] == 3 * 48 * 31
-  assert regenerate.check(str(study)).problems == []
 
 
 def test_paper_runs_the_decoy_split_on_its_own_base_directory():
@@ -263,11 +247,11 @@ def test_paper_runs_the_decoy_split_on_its_own_base_directory():
     assert other.decoy.model.hf_dir == ""
 
 
-def test_the_active_tier_runs_on_the_files_model_and_its_bos(bos_job, data_dir):
+def test_the_active_tier_runs_on_the_files_model_and_its_bos(job, data_dir):
   """Every active-tier capture holds the file's model's documents (the BOS, then bytes of
   the test text), records the BOS as E's known prefix, and its records are scored after
   it, as its scorecard's rows say."""
-  active = bos_job / main_table.ACTIVE
+  active = job[2] / main_table.ACTIVE
   _check_bos_captures(active / "captures", data_dir)
   records = rundir.load_records(str(active / "study"))
   assert records and {r.scored_positions for r in records} == {"after_bos"}

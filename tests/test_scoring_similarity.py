@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from rouge_score import rouge_scorer
+from rouge_score import tokenizers as rouge_tokenizers
 
 from lla.data.tokenizer import load_tokenizer
 from lla.scoring import similarity
@@ -17,23 +19,60 @@ def lcs_length(a, b) -> int:
   return int(table[-1, -1])
 
 
+def _f1(pred, truth) -> float:
+  (value,) = similarity.rouge_l_tokens(np.array([pred]), np.array([truth]))
+  return float(value)
+
+
 def test_token_rouge_l_hand_made_cases():
   # LCS of [1, 2, 3, 4] and [1, 3, 4, 5] is [1, 3, 4]: P = R = 3/4.
-  assert similarity.rouge_l_tokens(np.array([1, 2, 3, 4]), np.array([1, 3, 4, 5])) == 0.75
+  assert _f1([1, 2, 3, 4], [1, 3, 4, 5]) == 0.75
   # Precision 2/2 (prediction), recall 2/4 (truth): F1 = 2/3.
-  assert similarity.rouge_l_tokens(np.array([7, 9]), np.array([7, 8, 9, 10])) == pytest.approx(2 / 3)
-  assert similarity.rouge_l_tokens(np.array([5, 5]), np.array([6, 6])) == 0.0
+  assert _f1([7, 9], [7, 8, 9, 10]) == pytest.approx(2 / 3)
+  assert _f1([5, 5], [6, 6]) == 0.0
   # Ids are compared as ids: 12 is not 1 followed by 2.
-  assert similarity.rouge_l_tokens(np.array([12]), np.array([1, 2])) == 0.0
+  assert _f1([12], [1, 2]) == 0.0
+  assert similarity.rouge_l_tokens(np.zeros((3, 0), int), np.ones((3, 4), int)).tolist() == [0.0] * 3
+
+
+def test_lcs_lengths_equal_the_textbook_table_row_by_row():
+  rng = np.random.default_rng(1)
+  for n, m in [(1, 1), (1, 7), (7, 1), (5, 9), (12, 12), (32, 32)]:
+    a, b = rng.integers(0, 4, (20, n)), rng.integers(0, 4, (20, m))
+    assert similarity.lcs_lengths(a, b).tolist() == [lcs_length(x, y) for x, y in zip(a, b)]
+  with pytest.raises(ValueError, match=r"\[B, n\] and \[B, m\]"):
+    similarity.lcs_lengths(np.zeros((2, 3)), np.zeros((3, 3)))
 
 
 def test_token_rouge_l_equals_independent_lcs():
   rng = np.random.default_rng(0)
   for _ in range(50):
-    a, b = rng.integers(0, 6, rng.integers(1, 12)), rng.integers(0, 6, rng.integers(1, 12))
-    lcs = lcs_length(list(b), list(a))
-    want = 0.0 if lcs == 0 else 2 * (lcs / len(a)) * (lcs / len(b)) / (lcs / len(a) + lcs / len(b))
-    assert similarity.rouge_l_tokens(a, b) == pytest.approx(want, abs=1e-12)
+    n, m = rng.integers(1, 12, 2)
+    a, b = rng.integers(0, 6, (4, n)), rng.integers(0, 6, (4, m))
+    got = similarity.rouge_l_tokens(a, b)
+    for row, (x, y) in enumerate(zip(a, b)):
+      lcs = lcs_length(list(y), list(x))
+      want = 0.0 if lcs == 0 else 2 * (lcs / n) * (lcs / m) / (lcs / n + lcs / m)
+      assert got[row] == pytest.approx(want, abs=1e-12)
+
+
+class _Ids(rouge_tokenizers.Tokenizer):
+  def tokenize(self, text):
+    return text.split()
+
+
+def test_token_rouge_l_is_the_rouge_score_packages_bit_for_bit():
+  """Each document's F1 is the float `rouge-score` itself computes on the ids written as
+  words (what SplitLLM's numbers use), not just close to it."""
+  scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_Ids())
+  rng = np.random.default_rng(2)
+  for n, m in [(32, 32), (31, 31), (3, 17), (17, 3)]:
+    truth, pred = rng.integers(0, 5, (64, n)), rng.integers(0, 5, (64, m))
+    pred[:8, :min(n, m)] = truth[:8, :min(n, m)]  # some exact or near-exact documents
+    got = similarity.rouge_l_tokens(pred, truth)
+    want = [scorer.score(" ".join(map(str, t)), " ".join(map(str, p)))["rougeL"].fmeasure
+            for p, t in zip(pred, truth)]
+    assert got.tolist() == want
 
 
 def test_token_set_f1_hand_made_cases():
