@@ -23,17 +23,22 @@ section 5): they decide the gates; these only report.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
-from rouge_score import rouge_scorer
 
 from lla.scoring import metrics
 
 NAMES = ("rouge_l_tokens", "rouge_l_text", "token_set_f1")
 
 
-_TEXT_SCORER = rouge_scorer.RougeScorer(["rougeL"])
+@functools.cache
+def _text_scorer():
+  # Imported on first use: rouge-score imports nltk, 1.2 s of every binary's start-up
+  # (the replay CLI's 3.3 s) for a metric only a scoring with a tokenizer computes.
+  from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+  return rouge_scorer.RougeScorer(["rougeL"])
 
 
 def lcs_lengths(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -74,7 +79,7 @@ def rouge_l_tokens(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
 
 def rouge_l_text(pred: np.ndarray, truth: np.ndarray, tokenizer) -> float:
   """ROUGE-L F1 of the decoded texts of two 1-D token-id sequences."""
-  return _TEXT_SCORER.score(tokenizer.decode(truth), tokenizer.decode(pred))["rougeL"].fmeasure
+  return _text_scorer().score(tokenizer.decode(truth), tokenizer.decode(pred))["rougeL"].fmeasure
 
 
 def token_set_f1(pred: np.ndarray, truth: np.ndarray) -> float:
