@@ -1,5 +1,8 @@
 """The papers' similarity metrics against hand-made cases and an independent LCS."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from rouge_score import rouge_scorer
@@ -106,3 +109,17 @@ def test_document_sums_pool_and_respect_scored_positions(data_dir):
   assert pooled["rouge_l_tokens"] == pytest.approx((0.75 + 1.0 + 1.0 + 1.0) / 4)
   with pytest.raises(ValueError, match="different metric sets"):
     everything + later  # pylint: disable=pointless-statement
+
+
+def test_rouge_score_and_nltk_load_only_for_text_rouge():
+  """Every binary that scores imports the scorecard; rouge-score (and the nltk it imports,
+  1.2 s) loads only when text ROUGE-L is computed. In a fresh interpreter."""
+  script = ("import sys\n"
+            "from lla.replay import driver\n"
+            "from lla.scoring import scorecard, similarity\n"
+            "print(sorted(m for m in ('rouge_score', 'nltk') if m in sys.modules))\n"
+            "similarity._text_scorer()\n"
+            "print(sorted(m for m in ('rouge_score', 'nltk') if m in sys.modules))\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True).stdout.split("\n")
+  assert out[:2] == ["[]", "['nltk', 'rouge_score']"]
