@@ -44,6 +44,10 @@ def corpus_cross_entropy(params, cfg: GPT2Config, tokens, k: int, defense: Defen
   Mixup mixes within a batch, so every batch needs at least m documents.
   """
   tokens = np.asarray(tokens)
+  if defense is not None and defense.acts_on != "activations":
+    # It leaves this computation alone: run it as the undefended one, whose executable it
+    # then shares (one compilation fewer per such defense and batch shape).
+    defense = secret = None
   keyed = defense is not None and defense.has_secret
   out = [document_cross_entropy(
       params, cfg, jnp.asarray(tokens[i:i + batch_size]), k, defense,
