@@ -69,9 +69,10 @@ def rouge_l_tokens(pred: np.ndarray, truth: np.ndarray) -> np.ndarray:
   sequence is empty.
   """
   lcs = lcs_lengths(truth, pred).astype(np.float64)
-  if lcs.size == 0 or np.shape(pred)[1] == 0 or np.shape(truth)[1] == 0:
-    return np.zeros(lcs.shape, np.float64)
-  precision, recall = lcs / np.shape(pred)[1], lcs / np.shape(truth)[1]
+  pred_len, truth_len = np.shape(pred)[1], np.shape(truth)[1]
+  if pred_len == 0 or truth_len == 0:
+    return np.zeros_like(lcs)
+  precision, recall = lcs / pred_len, lcs / truth_len
   total = precision + recall
   with np.errstate(invalid="ignore"):  # 0 / 0 where P + R = 0, replaced by 0
     return np.where(total > 0, 2 * precision * recall / total, 0.0)
