@@ -11,6 +11,7 @@ import pytest
 
 from configs import main_table as main_table_config
 from lla import provenance
+from lla.capture import store
 from lla.model import checkpoint as ckpt
 from lla.replay import regenerate
 from lla.evidence import rundir
@@ -98,6 +99,160 @@ def test_predictions_regenerate_bit_for_bit(finished):
   assert sorted(result.regenerated) == sorted(i for a, i in first.items() if a not in decoy)
   assert sorted(s.split(":")[0] for s in result.skipped) == sorted(first[a] for a in decoy)
   assert all("runs in its own driver" in s for s in result.skipped)
+
+
+def _wilson_upper_ref(fired: int, n: int, z: float) -> float:
+  """One-sided Wilson upper bound as the upper root of p - k/n = z sqrt(p (1 - p) / n)
+  (scipy root finding, not the closed form lla.scoring.metrics uses)."""
+  from scipy import optimize  # pylint: disable=g-import-not-at-top
+  if fired == n:
+    return 1.0
+  f = lambda p: p - fired / n - z * np.sqrt(p * (1 - p) / n)
+  return optimize.brentq(f, fired / n + 1e-12, 1.0, xtol=1e-15)
+
+
+def _np_lm_loss(params, cfg, tokens: np.ndarray) -> float:
+  """Mean next-token CE over all B (T - 1) positions of the whole model, float64 numpy
+  (HF GPT-2: blocks, ln_f, head tied to wte)."""
+  from test_attacks_units import np_client  # pylint: disable=g-import-not-at-top
+  p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+  x = np_client(params, cfg, tokens, cfg.n_layer)
+  mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+  y = (x - mu) / np.sqrt(var + cfg.layer_norm_epsilon) * p["ln_f"]["scale"] + p["ln_f"]["bias"]
+  logits = y @ p["wte"]["embedding"].T
+  top = logits.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+  picked = np.take_along_axis(logits[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+  return float(np.mean(lse[:, :-1] - picked))
+
+
+def test_active_tier_numbers_recounted_from_its_files(finished):
+  """The main job's active tier (configs/active.py:tiny on the job's pre-trained base, under
+  workdir/active) and its report, its numbers checked against quantities the test derives
+  itself: recovery and the frequency
+  baseline recounted with numpy from the stored predictions and the client's documents;
+  the step-0 captures against a float64 numpy client of the base model (no server has
+  changed the client yet); the mixed server's reply against its formula applied to the
+  honest and FSHA replies; the task loss at step 0 against a numpy forward; thresholds and
+  detection rates recounted from the stored windows.
+
+  Not asserted, because it does not hold here: fsha_decode beating the frequency baseline.
+  With 16 hijacked steps on the tiny base the decoder recovers nothing (0 of 256 tokens
+  against a baseline of 8); FSHA needed thousands of steps on MNIST
+  (notes/active-server.md 1.5).
+  """
+  from lla.active import report  # pylint: disable=g-import-not-at-top
+  main_config, workdir, _ = finished
+  config, tier = main_config.active, workdir / main_table.ACTIVE
+  summary = json.loads((tier / "summary.json").read_text())
+  servers = {r["server"] for r in summary["recovery"]}
+  assert servers == {"honest", "fsha", "mixed0.2"}
+  assert set(summary["detection"]) == {"splitguard", "reference_cosine", "scrutinizer",
+                                       "splitout"}
+  from lla import data  # pylint: disable=g-import-not-at-top
+  splits = data.load_splits(**config.data.to_dict())
+  documents = np.asarray(splits.evaluation.tokens)
+  # The frequency baseline: the calibration corpus's most common token (unique here).
+  counts = np.bincount(np.asarray(splits.calibration.tokens).reshape(-1))
+  assert np.sum(counts == counts.max()) == 1
+  top = int(counts.argmax())
+
+  # --- recovery, recounted: every row of the summary from its stored predictions ----------
+  study = tier / "study"
+  rows = {(r["server"], r["step"], r["attack"]): r for r in summary["recovery"]}
+  expected_rows = {(server, step, attack) for step in (0, 16)
+                   for server, attacks in (("honest", config.replay.honest),
+                                           ("fsha", config.replay.hijacked),
+                                           ("mixed0.2", config.replay.hijacked))
+                   for attack in attacks}
+  assert set(rows) == expected_rows
+  predictions = {}
+  for (server, step, attack), row in rows.items():
+    record = json.loads((study / rundir.RECORDS /
+                         f"active__{server}_s0__step{step}__{attack}.json").read_text())
+    assert record["status"] == "ok" and record["baseline_token"] == top, record
+    pred = rundir.load_predictions(rundir.resolve(str(study), record["prediction_file"]))
+    predictions[server, step, attack] = pred
+    assert pred.shape == documents.shape
+    assert row["token_recovery"] == np.mean(pred == documents), (server, step, attack)
+    assert row["baseline"] == np.mean(documents == top)
+  # Step 0: no server has touched the client yet, so every server's capture holds the same
+  # h and a passive attack predicts the same tokens on each.
+  assert np.array_equal(predictions["honest", 0, "ridge"], predictions["fsha", 0, "ridge"])
+  assert np.array_equal(predictions["honest", 0, "ridge"], predictions["mixed0.2", 0, "ridge"])
+  # With the client's exact weights at step 0 (trained knowledge = the base), the beam search
+  # verifies ridge's candidates through the true client: it keeps what ridge gets right.
+  assert rows["honest", 0, "activation"]["token_recovery"] >= \
+      rows["honest", 0, "ridge"]["token_recovery"] > 0.5
+
+  # --- the step-0 captures against numpy -----------------------------------------------
+  from test_attacks_units import np_client  # pylint: disable=g-import-not-at-top
+  base = ckpt.restore(workdir / "pretrain" / "checkpoint")
+  h_ref = np_client(base.params, base.cfg, documents, config.cut)
+  caps = {s: store.load_capture(tier / "captures" / f"{s}_s0" / "step_0")
+          for s in ("honest", "fsha", "mixed0.2")}
+  for server, c in caps.items():
+    np.testing.assert_allclose(c.activations, h_ref, rtol=0, atol=1e-5 * np.abs(h_ref).max())
+    assert np.array_equal(c.activations, caps["honest"].activations), server
+    # h[:, T-1] reaches no loss term: an honest reply's last row is zero, and the hijacker
+    # (zero_last_row) copies that.
+    assert not c.gradients[:, -1].any() and c.gradients[:, :-1].any(), server
+  # The mixed server's reply is (1 - beta) g_task + beta |g_task| / |g_adv| g_adv per row; at
+  # step 0 its two halves are the honest server and the FSHA server of the same seed.
+  g_task, g_adv = (caps[s].gradients.astype(np.float64) for s in ("honest", "fsha"))
+  norm = lambda g: np.linalg.norm(g, axis=-1, keepdims=True)
+  ratio = np.divide(norm(g_task), norm(g_adv), out=np.zeros_like(norm(g_adv)),
+                    where=norm(g_adv) > 0)
+  mixed = 0.8 * g_task + 0.2 * ratio * g_adv
+  np.testing.assert_allclose(caps["mixed0.2"].gradients, mixed, rtol=0,
+                             atol=1e-5 * np.abs(mixed).max())
+
+  # --- task loss: step 0 is the base model on the documents, for every server -----------
+  ce0 = _np_lm_loss(base.params, base.cfg, documents)
+  losses = {(r["server"], r["step"]): r for r in summary["task_loss"]}
+  for server in ("honest", "fsha", "mixed0.2"):
+    assert losses[server, 0]["task_loss"] == pytest.approx(ce0, rel=1e-5), server
+    assert losses[server, 0]["public_tail_loss"] == pytest.approx(ce0, rel=1e-5), server
+  # FSHA trains no task tail: its deployed model is the public tail at every step.
+  assert losses["fsha", 16]["task_loss"] == losses["fsha", 16]["public_tail_loss"]
+
+  # --- detection: thresholds and rates recounted from the stored windows -----------------
+  calibration = json.loads((tier / "runs" / "honest_s100.json").read_text())["windows"]
+  z = float(config.detectors.wilson_z)
+  for name, det in summary["detection"].items():
+    scores = sorted(score for _, score in calibration[name])
+    # numpy's "higher" quantile: the order statistic at ceil(q (n - 1)) (the maximum here).
+    index = int(np.ceil(float(config.detectors.quantile) * (len(scores) - 1)))
+    assert det["threshold"] == scores[index], name
+    for server in servers:
+      windows = summary["curves"][f"{server}_s0"]["windows"][name]
+      fired = [step for step, score in windows if score > det["threshold"]]
+      got = det[server]
+      assert (got["windows"], got["fired"]) == (len(windows), len(fired)), (name, server)
+      assert got["first_steps"] == [fired[0] if fired else None], (name, server)
+      assert got["wilson_upper"] == pytest.approx(
+          _wilson_upper_ref(len(fired), len(windows), z), abs=1e-9), (name, server)
+  # Reference cosine at step 0: the honest server's tail is the client's public reference,
+  # so its score 1 - cos is 0; the mixed reply's cosine with the task gradient is
+  # (1 - beta) / sqrt((1 - beta)^2 + beta^2) where the critic's gradient is orthogonal to it
+  # (nearly so here); FSHA's critic gradient is unrelated to the task: 1 - cos near 1, so
+  # it fires at the first check.
+  first = {server: dict(summary["curves"][f"{server}_s0"]["windows"]["reference_cosine"])[0]
+           for server in servers}
+  assert abs(first["honest"]) < 1e-6, first
+  assert first["mixed0.2"] == pytest.approx(1 - 0.8 / np.sqrt(0.8 ** 2 + 0.2 ** 2), abs=0.01)
+  assert first["fsha"] > 0.5 > summary["detection"]["reference_cosine"]["threshold"]
+  assert summary["detection"]["reference_cosine"]["fsha"]["first_steps"] == [0]
+
+  card = json.loads((tier / "study" / "scorecard.json").read_text())
+  assert card["coverage"]["tiers"]["active"]["partial"] + \
+      card["coverage"]["tiers"]["active"]["covered"] >= 1
+  assert summary["decoy_probe"]["table"]
+  path = report.write(tier, workdir / "active_report")
+  text = path.read_text()
+  assert "fsha_decode (none)" in text and "Decoy-row split" in text
+  for figure in ("active_recovery.png", "active_detection.png", "active_decoy_probe.png"):
+    assert (workdir / "active_report" / figure).stat().st_size > 0
 
 
 # The gate rule of PROTOCOL section 5, written out again here (not lla.scoring's code): the
