@@ -36,8 +36,12 @@ from test_real_weights import ALPHABET, gguf_file, text_bytes, tiny_llama
 FAST = {"published.attacks": (), "defenses": (), "corpus_study.corpora": (),
         "frontier.enabled": False, "active.enabled": False,
         # The decoy split keeps its own random model; one short seed, no dose response.
+        # Its records share the study with the file's, scored with the file's tokenizer.
         "decoy.protocol.steps": 64, "decoy.train.chunk": 64, "decoy.probe.steps": 20,
-        "decoy.calibration.seeds": 0}
+        "decoy.calibration.seeds": 0,
+        # The active tier's probe of the decoy split trains a model of its own and writes
+        # no record; the rest of the tier runs on the file's model.
+        "active.decoy_probe.enabled": False}
 
 
 def _config(path: pathlib.Path):
