@@ -8,15 +8,20 @@ import resource
 import jax
 import numpy as np
 import pytest
+from scipy import optimize
 
 from configs import main_table as main_table_config
+from lla import data
 from lla import provenance
+from lla.active import report as active_report
 from lla.capture import store
 from lla.model import checkpoint as ckpt
 from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
 from lla.study import main_table
+
+from test_attacks_units import np_client
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +109,6 @@ def test_predictions_regenerate_bit_for_bit(finished):
 def _wilson_upper_ref(fired: int, n: int, z: float) -> float:
   """One-sided Wilson upper bound as the upper root of p - k/n = z sqrt(p (1 - p) / n)
   (scipy root finding, not the closed form lla.scoring.metrics uses)."""
-  from scipy import optimize  # pylint: disable=g-import-not-at-top
   if fired == n:
     return 1.0
   f = lambda p: p - fired / n - z * np.sqrt(p * (1 - p) / n)
@@ -114,7 +118,6 @@ def _wilson_upper_ref(fired: int, n: int, z: float) -> float:
 def _np_lm_loss(params, cfg, tokens: np.ndarray) -> float:
   """Mean next-token CE over all B (T - 1) positions of the whole model, float64 numpy
   (HF GPT-2: blocks, ln_f, head tied to wte)."""
-  from test_attacks_units import np_client  # pylint: disable=g-import-not-at-top
   p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
   x = np_client(params, cfg, tokens, cfg.n_layer)
   mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -141,7 +144,6 @@ def test_active_tier_numbers_recounted_from_its_files(finished):
   against a baseline of 8); FSHA needed thousands of steps on MNIST
   (notes/active-server.md 1.5).
   """
-  from lla.active import report  # pylint: disable=g-import-not-at-top
   main_config, workdir, _ = finished
   config, tier = main_config.active, workdir / main_table.ACTIVE
   summary = json.loads((tier / "summary.json").read_text())
@@ -149,7 +151,6 @@ def test_active_tier_numbers_recounted_from_its_files(finished):
   assert servers == {"honest", "fsha", "mixed0.2"}
   assert set(summary["detection"]) == {"splitguard", "reference_cosine", "scrutinizer",
                                        "splitout"}
-  from lla import data  # pylint: disable=g-import-not-at-top
   splits = data.load_splits(**config.data.to_dict())
   documents = np.asarray(splits.evaluation.tokens)
   # The frequency baseline: the calibration corpus's most common token (unique here).
@@ -186,7 +187,6 @@ def test_active_tier_numbers_recounted_from_its_files(finished):
       rows["honest", 0, "ridge"]["token_recovery"] > 0.5
 
   # --- the step-0 captures against numpy -----------------------------------------------
-  from test_attacks_units import np_client  # pylint: disable=g-import-not-at-top
   base = ckpt.restore(workdir / "pretrain" / "checkpoint")
   h_ref = np_client(base.params, base.cfg, documents, config.cut)
   caps = {s: store.load_capture(tier / "captures" / f"{s}_s0" / "step_0")
@@ -248,7 +248,7 @@ def test_active_tier_numbers_recounted_from_its_files(finished):
   assert card["coverage"]["tiers"]["active"]["partial"] + \
       card["coverage"]["tiers"]["active"]["covered"] >= 1
   assert summary["decoy_probe"]["table"]
-  path = report.write(tier, workdir / "active_report")
+  path = active_report.write(tier, workdir / "active_report")
   text = path.read_text()
   assert "fsha_decode (none)" in text and "Decoy-row split" in text
   for figure in ("active_recovery.png", "active_detection.png", "active_decoy_probe.png"):
