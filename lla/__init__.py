@@ -8,5 +8,5 @@ from lla import allocator as _allocator
 
 try:
   _allocator.apply()
-except ValueError as _bad_setting:  # $LLA_ALLOCATOR or $LLA_MALLOPT: one line, no traceback
+except ValueError as _bad_setting:  # a bad $LLA_* setting: one line, no traceback
   raise SystemExit(f"lla: {_bad_setting}") from None

@@ -38,8 +38,9 @@ are glibc's M_* without the prefix, lower case). Where malloc is not glibc's (mu
 another libc), nothing is applied and one line on stderr says so; where another allocator
 was preloaded (LD_PRELOAD of TCMalloc, jemalloc, mimalloc), it is used as it is, silently.
 `heap_usage()` says what malloc holds in use and free; `release_free()` returns the free
-blocks' pages to the OS between large units of work. `record()` is what a run's provenance
-records: which allocator ran and with which settings.
+blocks' pages to the OS between large units of work once more than a limit of them is
+resident (1/8 of physical memory; $LLA_RESIDENT_FREE_MB sets it in MB). `record()` is what a
+run's provenance records: which allocator ran and with which settings.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ import sys
 
 ENV_VAR = "LLA_ALLOCATOR"
 MALLOPT_ENV_VAR = "LLA_MALLOPT"
+RESIDENT_FREE_ENV_VAR = "LLA_RESIDENT_FREE_MB"
 MODES = ("tuned", "system")
+# The share of physical memory the heap's free pages may keep resident before release_free
+# gives them back: below it, giving them back only buys the next unit of work its faults.
+RESIDENT_FREE_FRACTION = 1 / 8
 # glibc's <malloc.h> parameter numbers.
 PARAMS = {"mxfast": 1, "trim_threshold": -1, "top_pad": -2, "mmap_threshold": -3,
           "mmap_max": -4, "arena_test": -7, "arena_max": -8}
@@ -112,7 +117,8 @@ def apply() -> dict:
     raise ValueError(f"${ENV_VAR} must be one of {MODES}, got {mode!r}")
   library = _malloc_library()
   state = {"name": "", "mode": mode, "malloc_library": os.path.basename(library) or "unknown",
-           "preload": os.environ.get("LD_PRELOAD", ""), "mallopt": {}}
+           "preload": os.environ.get("LD_PRELOAD", ""), "mallopt": {},
+           "resident_free_limit_mb": round(resident_free_limit_mb(), 1)}
   glibc = _glibc()
   interposed = bool(library) and not os.path.basename(library).startswith("libc.so")
   if glibc is None or interposed:
@@ -165,18 +171,50 @@ def heap_usage() -> dict | None:
   return {"in_use_mb": (info.uordblks + info.hblkhd) / 2**20, "free_mb": info.fordblks / 2**20}
 
 
-def release_free() -> bool:
-  """Gives the pages of the heap's free blocks back to the OS (glibc's malloc_trim(0)).
+def resident_mb() -> float:
+  """The process's resident set now (/proc/self/statm, in pages)."""
+  with open("/proc/self/statm") as statm:
+    return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def resident_free_limit_mb() -> float:
+  """How many MB of resident pages outside malloc's bytes in use release_free tolerates:
+  $LLA_RESIDENT_FREE_MB, else RESIDENT_FREE_FRACTION of physical memory."""
+  text = os.environ.get(RESIDENT_FREE_ENV_VAR)
+  if text:
+    try:
+      limit = float(text)
+    except ValueError:
+      limit = -1.0
+    if not limit >= 0:
+      raise ValueError(f"${RESIDENT_FREE_ENV_VAR} must be a number of MB >= 0, got {text!r}")
+    return limit
+  return RESIDENT_FREE_FRACTION * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def release_free(limit_mb: float | None = None) -> bool:
+  """Gives the pages of the heap's free blocks back to the OS (glibc's malloc_trim(0)) when
+  more than `limit_mb` (default `resident_free_limit_mb()`) of the resident set is not
+  malloc's bytes in use.
 
   The tuned heap never trims itself, so its resident size is its high-water mark. A job
   whose units each churn through gigabytes (the main job's defended fine-tunes of a 135M
   model) fragments it: freed blocks too small for the next large request stay resident
   while the heap grows past them. Called between such units, the free blocks' pages leave
-  RSS (to be faulted in again when reused: once per unit, not once per call). Returns
-  whether anything was released; False where malloc is not glibc's.
+  RSS, to be faulted in again by the next unit that reuses them. Below the limit that
+  costs more than it saves: the tiny main job, trimming before each of its 33 units, spent
+  70 s more system time on 11 M more page faults (docs/benchmarks.md, "Memory churn").
+  The resident set less the bytes in use bounds the free pages from above (it also holds
+  the interpreter, the libraries and compiled code, a few hundred MB). Returns whether
+  anything was released; False where malloc is not glibc's or the limit is not reached.
   """
   malloc_trim = _glibc_malloc_function("malloc_trim")
   if malloc_trim is None:
+    return False
+  if limit_mb is None:  # as apply() recorded it, else as the environment says now
+    limit_mb = _STATE["resident_free_limit_mb"] if _STATE else resident_free_limit_mb()
+  heap = heap_usage()  # None before glibc 2.33: the limit cannot be checked, so trim
+  if heap is not None and resident_mb() - heap["in_use_mb"] <= limit_mb:
     return False
   malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
   return bool(malloc_trim(0))

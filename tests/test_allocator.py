@@ -5,7 +5,8 @@ minor-fault counter (getrusage), what a large malloc / write / free cycle costs:
 defaults every cycle maps fresh pages (one fault per 4 KiB page); tuned, the pages are
 reused. XLA:CPU's pattern (posix_memalign of the same large size, a small block allocated
 meanwhile, free) is reused once glibc's per-thread cache is full (7 remainders per size),
-so its memory stays bounded; a heap top above 2 GiB is kept, not trimmed. The fallback
+so its memory stays bounded; a heap top above 2 GiB is kept, not trimmed; release_free gives
+freed pages back only above its limit of resident free pages. The fallback
 (mallopt unreachable) must leave malloc as it was and say so in one line on stderr.
 """
 
@@ -90,7 +91,8 @@ ctypes.CDLL = NoMallopt
 def clean_env() -> dict[str, str]:
   """This environment without anything that selects or tunes an allocator."""
   return {k: v for k, v in os.environ.items()
-          if k not in ("LD_PRELOAD", "LLA_ALLOCATOR", "LLA_MALLOPT", "GLIBC_TUNABLES")
+          if k not in ("LD_PRELOAD", "LLA_ALLOCATOR", "LLA_MALLOPT", "LLA_RESIDENT_FREE_MB",
+                       "GLIBC_TUNABLES")
           and not k.startswith("MALLOC_")}
 
 
@@ -182,7 +184,10 @@ def test_bad_settings_are_refused():
 @pytest.mark.parametrize("env, fact", [
     ({"LLA_ALLOCATOR": "mallopt"}, "$LLA_ALLOCATOR must be one of ('tuned', 'system'), got "
                                    "'mallopt'"),
-    ({"LLA_MALLOPT": "mmap_maximum=0"}, "'mmap_maximum=0' is not name=integer")])
+    ({"LLA_MALLOPT": "mmap_maximum=0"}, "'mmap_maximum=0' is not name=integer"),
+    ({"LLA_RESIDENT_FREE_MB": "-1"}, "$LLA_RESIDENT_FREE_MB must be a number of MB >= 0, "
+                                     "got '-1'"),
+    ({"LLA_RESIDENT_FREE_MB": "3G"}, "got '3G'")])
 def test_a_bad_setting_stops_import_with_one_line(env, fact):
   result = subprocess.run([sys.executable, "-c", "import lla"], env={**clean_env(), **env},
                           capture_output=True, text=True, timeout=120)
@@ -212,11 +217,9 @@ def test_heap_usage_counts_what_is_held_and_what_is_kept_free():
     assert after["free_mb"] - held["free_mb"] >= 255  # kept in the heap, not unmapped
 
 
-@glibc_only
-def test_release_free_gives_a_freed_blocks_pages_back():
-  """A 256 MiB block written and freed stays resident in the tuned heap (it never trims);
-  release_free() takes it out of RSS, as the kernel's own VmRSS says, in a fresh process."""
-  result = subprocess.run([sys.executable, "-c", """
+# A 256 MiB block written and freed (the tuned heap keeps it resident), then release_free
+# with the limit given as `{limit}`; RSS as the kernel's own VmRSS says, in a fresh process.
+RELEASE = """
 import ctypes, json
 import lla
 from lla import allocator
@@ -225,12 +228,45 @@ block = libc.malloc(256 << 20); ctypes.memset(block, 1, 256 << 20)
 written = resident()
 libc.free(block)
 freed = resident()
-released = allocator.release_free()
-print(json.dumps({"written": written, "freed": freed, "after": resident(),
-                  "released": released, "record": allocator.record()}))
-"""], capture_output=True, text=True, check=True, timeout=120,
-      env={k: v for k, v in os.environ.items() if k not in ("LLA_ALLOCATOR", "LLA_MALLOPT")})
+released = allocator.release_free({limit})
+print(json.dumps({{"written": written, "freed": freed, "after": resident(),
+                   "released": released, "record": allocator.record()}}))
+"""
+
+
+def release(limit: str, **env) -> dict:
+  result = subprocess.run([sys.executable, "-c", RELEASE.format(limit=limit)],
+                          capture_output=True, text=True, check=True, timeout=120,
+                          env={**clean_env(), **env})
   out = json.loads(result.stdout.strip().splitlines()[-1])
   assert out["record"]["mode"] == "tuned"
   assert out["written"] - out["freed"] < 16 * MIB  # freed, still resident
+  return out
+
+
+@glibc_only
+def test_release_free_gives_a_freed_blocks_pages_back_above_its_limit():
+  """With no resident free pages tolerated, the freed block's pages leave RSS."""
+  out = release("limit_mb=0")
   assert out["released"] and out["freed"] - out["after"] >= 240 * MIB
+
+
+@glibc_only
+@pytest.mark.parametrize("limit, env", [("limit_mb=1 << 20", {}),
+                                        ("", {"LLA_RESIDENT_FREE_MB": "1048576"})])
+def test_release_free_keeps_them_below_its_limit(limit, env):
+  """A limit of 1 TiB of resident free pages, given or from the environment: the block's
+  256 MiB stay resident for the next unit of work to reuse without faulting them in."""
+  out = release(limit, **env)
+  assert not out["released"] and abs(out["freed"] - out["after"]) < 16 * MIB
+  if env:
+    assert out["record"]["resident_free_limit_mb"] == 1048576
+
+
+@glibc_only
+def test_the_default_limit_is_an_eighth_of_physical_memory():
+  """As /proc/meminfo's MemTotal says (its kB are KiB), recorded in the provenance entry."""
+  out = release("")
+  with open("/proc/meminfo") as meminfo:
+    total_kib = int(next(l for l in meminfo if l.startswith("MemTotal:")).split()[1])
+  assert out["record"]["resident_free_limit_mb"] == pytest.approx(total_kib / 1024 / 8, abs=0.1)

@@ -189,8 +189,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   keys = KeyStore(workdir / KEY_STORE)
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), undefended in tqdm(jobs, desc="defenses", unit="capture"):
-    # Each job fine-tunes, captures and attacks anew: the heap's free pages from the last
-    # one go back to the OS rather than add up (lla.allocator.release_free).
+    # Each job fine-tunes, captures and attacks anew: once the heap's free pages from the
+    # jobs before it add up past a limit, they go back to the OS (lla.allocator.release_free).
     allocator.release_free()
     label = f"{name}_{param}{strength}"
     # What the jobs before this one left held (a job's growth shows between two lines).

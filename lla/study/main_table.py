@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import resource
 import json
-import os
 import pathlib
 import time
 
@@ -120,17 +119,11 @@ def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _rss_mb() -> float:
-  """The process's resident set now (/proc/self/statm, in pages)."""
-  with open("/proc/self/statm") as statm:
-    return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def _phase(workdir: pathlib.Path, name: str) -> None:
   """Starts phase `name`: logged, and timed in timing.json (each phase ends when the next
   one, or the invocation, does), with the process's peak RSS so far (the phase whose end
-  raises it holds the job's peak) and, once the heap's free pages are given back
-  (lla.allocator.release_free), malloc's bytes in use and kept free
+  raises it holds the job's peak) and, once the heap's free pages are given back where
+  many are resident (lla.allocator.release_free), malloc's bytes in use and kept free
   (lla.allocator.heap_usage: what the phases before it left held), how much of it is JAX
   arrays still referenced (lla.runtime.held_arrays) and the RSS left. A long
   study's compiled executables are dropped here before they exhaust the process's memory
@@ -145,7 +138,7 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     timing["invocations"][-1].setdefault("phases", []).append(
         {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb(),
          "heap": allocator.heap_usage(), "jax_arrays": runtime.held_arrays(),
-         "rss_mb": _rss_mb()})
+         "rss_mb": allocator.resident_mb()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
