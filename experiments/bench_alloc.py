@@ -1,9 +1,13 @@
 """Benchmark: the same user-facing command under several memory allocators (issue 23).
 
-Two workloads (--workload): `replay` (the default, below) and `pretrain`, the first
+Three workloads (--workload): `replay` (the default, below); `pretrain`, the first
 --pretrain_steps steps of the main job's pre-training (`python -m experiments.pretrain
 --config=configs/pretrain.py`: the embedded model, 16 x 128 tokens a step, each step
-allocating and freeing about 3 GB), whose checkpoint hash must be identical across runs.
+allocating and freeing about 3 GB), whose checkpoint hash must be identical across runs;
+and `main_table`, the whole tiny main job (`python -m experiments.main_table
+--config=configs/main_table.py:tiny`: 13 phases and 21 defended jobs, where the heap's free
+pages may be given back), whose base checkpoint and undefended captures must be identical
+across runs (the defended ones depend on secrets each run draws from the OS).
 
 Builds a random small GPT-2 (--n_layer x --n_embd, GPT-2's vocabulary, an HF directory), a
 training capture of --docs WikiText-2 evaluation documents at cut --cut
@@ -26,6 +30,8 @@ Configurations (--configs):
   tcache_off  lla's settings with glibc's per-thread cache off ($GLIBC_TUNABLES
             glibc.malloc.tcache_count=0: what lla did by restarting each binary until 2026-12-02)
   trim_2gib lla's settings with the heap trimmed above 2 GiB - 1 (lla's earlier threshold)
+  release_always  lla's settings with the heap's free pages given back at every phase and
+            defended job of a long job ($LLA_RESIDENT_FREE_MB=0: lla until 2026-12-04)
   tcmalloc  LD_PRELOAD of TCMalloc (--tcmalloc; Debian: apt-get install libtcmalloc-minimal4)
   jemalloc  LD_PRELOAD of jemalloc with its defaults (--jemalloc; else the system one, else the
             one Ray ships in ray/core)
@@ -78,15 +84,16 @@ _CACHE = flags.DEFINE_string("compilation_cache_dir", "", "Persistent compilatio
 _WARMUP = flags.DEFINE_bool("warmup", True, "One untimed run first (fills the compilation "
                             "cache; skip only with an already filled --compilation_cache_dir).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Where to write the results (JSON).")
-_WORKLOAD = flags.DEFINE_enum("workload", "replay", ["replay", "pretrain"], "What each run "
-                              "does (module docstring).")
+_WORKLOAD = flags.DEFINE_enum("workload", "replay", ["replay", "pretrain", "main_table"],
+                              "What each run does (module docstring).")
 _PRETRAIN_STEPS = flags.DEFINE_integer("pretrain_steps", 60, "Steps of the pretrain workload.")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
              "/usr/local/lib")
 # Variables that select an allocator or its settings: cleared before each configuration's own.
-_ALLOCATOR_ENV = ("LD_PRELOAD", "LLA_ALLOCATOR", "LLA_MALLOPT", "MALLOC_MMAP_THRESHOLD_",
+_ALLOCATOR_ENV = ("LD_PRELOAD", "LLA_ALLOCATOR", "LLA_MALLOPT", "LLA_RESIDENT_FREE_MB",
+                  "MALLOC_MMAP_THRESHOLD_",
                   "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                   "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
@@ -117,6 +124,7 @@ def configurations() -> dict[str, dict[str, str] | None]:
       "tuned": {},
       "tcache_off": {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"},
       "trim_2gib": {"LLA_MALLOPT": f"trim_threshold={2**31 - 1}"},
+      "release_always": {"LLA_RESIDENT_FREE_MB": "0"},
       "tcmalloc": {"LD_PRELOAD": tcmalloc, "LLA_ALLOCATOR": "system"} if tcmalloc else None,
       "jemalloc": {"LD_PRELOAD": jemalloc, "LLA_ALLOCATOR": "system"} if jemalloc else None,
       "mimalloc": {"LD_PRELOAD": mimalloc, "LLA_ALLOCATOR": "system"} if mimalloc else None,
@@ -182,9 +190,23 @@ def pretrain_command(run_dir: Path) -> list[str]:
           "--config.export_hf=false", f"--workdir={run_dir}"]
 
 
+def main_table_command(run_dir: Path) -> list[str]:
+  return [sys.executable, "-m", "experiments.main_table", "--config=configs/main_table.py:tiny",
+          f"--workdir={run_dir}"]
+
+
 def checkpoint_hash(run_dir: Path) -> dict[str, str]:
   metadata = json.loads((run_dir / "checkpoint" / "metadata.json").read_text())
   return {"params_sha256": metadata["params_sha256"]}
+
+
+def main_table_hashes(run_dir: Path) -> dict[str, str]:
+  """The base model's params hash and the sha256 of every undefended capture's messages."""
+  hashes = checkpoint_hash(run_dir / "pretrain")
+  for messages in sorted((run_dir / "captures").glob("*/messages.safetensors")):
+    if not messages.parent.name.startswith("def_"):
+      hashes[messages.parent.name] = hashlib.sha256(messages.read_bytes()).hexdigest()
+  return hashes
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -217,10 +239,14 @@ def main(argv):
       hf_dir, capture = prepare(root, base)
       command = lambda run_dir: replay_command(hf_dir, capture, run_dir)
       identity, allocator_of = prediction_hashes, recorded_allocator
-    else:
+    elif _WORKLOAD.value == "pretrain":
       command = pretrain_command
       # The checkpoint records no provenance: the configuration's environment says it.
       identity, allocator_of = checkpoint_hash, lambda _: None
+    else:
+      command = main_table_command
+      identity = main_table_hashes
+      allocator_of = lambda run_dir: recorded_allocator(run_dir / "study")
     print("command:\n  " + " ".join(command(Path("RUN"))[1:]))
     if _WARMUP.value:
       timed(command(root / "warmup"), base, root / "warmup.log")
