@@ -203,7 +203,8 @@ def release_free(limit_mb: float | None = None) -> bool:
   while the heap grows past them. Called between such units, the free blocks' pages leave
   RSS, to be faulted in again by the next unit that reuses them. Below the limit that
   costs more than it saves: the tiny main job, trimming before each of its 33 units, spent
-  70 s more system time on 11 M more page faults (docs/benchmarks.md, "Memory churn").
+  38 s more system time on 8 M more page faults than trimming 6 times under the default
+  limit, for a peak 0.7 GB lower (docs/benchmarks.md, "Memory churn").
   The resident set less the bytes in use bounds the free pages from above (it also holds
   the interpreter, the libraries and compiled code, a few hundred MB). Returns whether
   anything was released; False where malloc is not glibc's or the limit is not reached.
