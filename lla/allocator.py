@@ -20,6 +20,18 @@ ctypes:
                             trimming"); this also stops the dynamic mmap threshold
   M_TOP_PAD 64 MiB          the heap grows by at least 64 MiB at a time
 
+Arenas are fixed early: glibc gives each thread an arena of its own at the thread's first
+malloc while the limit is unset, and mallopt cannot take one back. A process that starts
+threads before `import lla` (pytest-xdist's workers start execnet's, Ray's workers gRPC's,
+a Jupyter kernel its own) keeps their arenas, and XLA:CPU's threads started later share
+them with the main heap. Such an arena grows in 64 MiB heaps, so a block larger than that
+is mapped and unmapped on every call whatever M_MMAP_MAX says: the tiny main job in a
+pytest-xdist worker faulted 68 M pages (160 s of system time) against 5.3 M alone
+(docs/benchmarks.md, "Memory churn"). `apply()` counts the arenas (`arena_count()`,
+recorded) and says so in one line on stderr where there is more than one;
+`environment_for_workers()` is the environment to start such a process with: glibc reads
+$GLIBC_TUNABLES (glibc.malloc.arena_max) before the process's first thread runs.
+
 The cost is memory: the heap keeps its high-water mark, plus the large blocks that glibc's
 per-thread cache walls in (posix_memalign splits a small remainder off each block; the
 cache keeps up to 7 such remainders per size, and the block beside one cannot coalesce
@@ -48,10 +60,13 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from typing import Mapping
 
 ENV_VAR = "LLA_ALLOCATOR"
 MALLOPT_ENV_VAR = "LLA_MALLOPT"
 RESIDENT_FREE_ENV_VAR = "LLA_RESIDENT_FREE_MB"
+TUNABLES_ENV_VAR = "GLIBC_TUNABLES"
+ARENA_TUNABLE = "glibc.malloc.arena_max"
 MODES = ("tuned", "system")
 # The share of physical memory the heap's free pages may keep resident before release_free
 # gives them back: below it, giving them back only buys the next unit of work its faults.
@@ -118,7 +133,8 @@ def apply() -> dict:
   library = _malloc_library()
   state = {"name": "", "mode": mode, "malloc_library": os.path.basename(library) or "unknown",
            "preload": os.environ.get("LD_PRELOAD", ""), "mallopt": {},
-           "resident_free_limit_mb": round(resident_free_limit_mb(), 1)}
+           "resident_free_limit_mb": round(resident_free_limit_mb(), 1),
+           "glibc_tunables": os.environ.get(TUNABLES_ENV_VAR, ""), "arenas": None}
   glibc = _glibc()
   interposed = bool(library) and not os.path.basename(library).startswith("libc.so")
   if glibc is None or interposed:
@@ -135,8 +151,53 @@ def apply() -> dict:
         if libc.mallopt(PARAMS[name], value) != 1:
           raise OSError(f"mallopt({name}={value}) refused by glibc {version}")
       state["mallopt"] = settings
+      state["arenas"] = arena_count()
+      if state["arenas"] and state["arenas"] > settings["arena_max"]:
+        print(f"lla: malloc already has {state['arenas']} arenas (threads that started "
+              "before `import lla` keep their own), where XLA:CPU's blocks over 64 MiB are "
+              "mapped and unmapped on every call; start the process with "
+              f"{TUNABLES_ENV_VAR}={ARENA_TUNABLE}={settings['arena_max']} "
+              "(lla.allocator.environment_for_workers)", file=sys.stderr)
   _STATE = state
   return record()
+
+
+def environment_for_workers(env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """`env` (default this process's) to start a process that runs threads before it imports
+  lla with (pytest-xdist and Ray workers): $GLIBC_TUNABLES gains the tuned arena limit,
+  read by glibc before the new process's first thread (module docstring). Unchanged where
+  tuning is off ($LLA_ALLOCATOR=system) or the variable already sets the limit."""
+  env = dict(os.environ if env is None else env)
+  if (env.get(ENV_VAR) or "tuned") != "tuned":
+    return env
+  arena_max = {**TUNED, **parse(env.get(MALLOPT_ENV_VAR, ""))}["arena_max"]
+  tunables = [t for t in env.get(TUNABLES_ENV_VAR, "").split(":") if t]
+  if not any(t.startswith(f"{ARENA_TUNABLE}=") for t in tunables):
+    env[TUNABLES_ENV_VAR] = ":".join(tunables + [f"{ARENA_TUNABLE}={arena_max}"])
+  return env
+
+
+def arena_count() -> int | None:
+  """How many arenas glibc's malloc has (malloc_info's heaps): 1 where every thread
+  allocates from the main heap, as tuned; None where malloc is not glibc's."""
+  malloc_info = _glibc_malloc_function("malloc_info")
+  if malloc_info is None:
+    return None
+  libc = ctypes.CDLL("libc.so.6")
+  libc.open_memstream.restype = ctypes.c_void_p
+  libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_size_t)]
+  libc.fclose.argtypes, libc.free.argtypes = [ctypes.c_void_p], [ctypes.c_void_p]
+  malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+  buffer, size = ctypes.c_void_p(), ctypes.c_size_t()
+  stream = libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+  if not stream:
+    return None
+  malloc_info(0, stream)
+  libc.fclose(stream)  # sets buffer and size
+  text = ctypes.string_at(buffer, size.value)
+  libc.free(buffer)
+  return text.count(b"<heap nr=")
 
 
 def _glibc_malloc_function(name: str):

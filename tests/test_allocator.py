@@ -6,7 +6,9 @@ defaults every cycle maps fresh pages (one fault per 4 KiB page); tuned, the pag
 reused. XLA:CPU's pattern (posix_memalign of the same large size, a small block allocated
 meanwhile, free) is reused once glibc's per-thread cache is full (7 remainders per size),
 so its memory stays bounded; a heap top above 2 GiB is kept, not trimmed; release_free gives
-freed pages back only above its limit of resident free pages. The fallback
+freed pages back only above its limit of resident free pages. A thread that ran before
+`import lla` keeps an arena of its own, unless the process started with the environment
+`environment_for_workers` gives (as this suite's pytest-xdist workers do). The fallback
 (mallopt unreachable) must leave malloc as it was and say so in one line on stderr.
 """
 
@@ -139,12 +141,66 @@ def test_a_heap_top_above_2gib_is_kept():
   assert refaults(LLA_MALLOPT=f"trim_threshold={2**31 - 1}") > 0.9
 
 
+# A thread started, its first malloc made, before `import lla` (as in pytest-xdist's and
+# Ray's workers); then faults per page of 96 MiB blocks malloc'ed, written and freed in it.
+EARLY_THREAD = """
+import ctypes, json, queue, resource, threading
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+jobs, results, started = queue.Queue(), queue.Queue(), threading.Event()
+def serve():
+  libc.free(libc.malloc(64))
+  started.set()
+  while True:
+    results.put(jobs.get()())
+threading.Thread(target=serve, daemon=True).start()
+started.wait()
+import lla
+from lla import allocator
+""" + CYCLES + """
+jobs.put(lambda: faults_per_cycle(plain))
+print(json.dumps({"plain": results.get(), "record": allocator.record()}))
+"""
+
+
+@glibc_only
+def test_a_thread_older_than_lla_keeps_an_arena_unless_the_environment_limits_them():
+  def run(env):
+    result = subprocess.run([sys.executable, "-c", EARLY_THREAD], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+  from lla import allocator
+  late, stderr = run(clean_env())
+  # The thread's own arena grows in 64 MiB heaps: each 96 MiB block is a fresh mapping.
+  assert late["record"]["arenas"] == 2 and late["plain"] > 0.9 * PAGES
+  line, = stderr.strip().splitlines()
+  assert line.startswith("lla: malloc already has 2 arenas") and "arena_max=1" in line
+  environment = allocator.environment_for_workers(clean_env())
+  assert environment["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=1"
+  early, stderr = run(environment)
+  assert early["record"]["arenas"] == 1 and early["plain"] < 0.01 * PAGES and stderr == ""
+
+
+def test_the_environment_for_workers_keeps_what_is_set():
+  from lla import allocator
+  tunables = lambda **env: allocator.environment_for_workers(env).get("GLIBC_TUNABLES")
+  assert tunables(GLIBC_TUNABLES="glibc.malloc.tcache_count=0") == (
+      "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=1")
+  assert tunables(GLIBC_TUNABLES="glibc.malloc.arena_max=4") == "glibc.malloc.arena_max=4"
+  assert tunables(LLA_MALLOPT="arena_max=2") == "glibc.malloc.arena_max=2"
+  assert tunables(LLA_ALLOCATOR="system") is None
+
+
 @glibc_only
 def test_this_suite_runs_tuned():
   if os.environ.get("LLA_ALLOCATOR", "tuned") != "tuned":
     pytest.skip("$LLA_ALLOCATOR turns the tuning off")
   from lla import allocator
   assert allocator.record()["mode"] == "tuned"
+  # One heap for every thread, in a pytest-xdist worker too (tests/conftest.py).
+  assert allocator.record()["arenas"] == 1 == allocator.arena_count()
   scope = {}
   exec(CYCLES, scope)  # in this pytest process
   assert scope["faults_per_cycle"](scope["plain"]) < 0.01 * PAGES

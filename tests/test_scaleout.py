@@ -215,6 +215,9 @@ def ray_sweep(work, tmp_path_factory):
   home = root / "home"
   home.mkdir()
   env = environment(work, HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+  # The nodes start without glibc's arena limit (tests/conftest.py sets it for the suite's
+  # processes): the sweep's driver must hand it to Ray's workers itself.
+  env.pop("GLIBC_TUNABLES", None)
   report = root / "cluster.json"
   subprocess.run([sys.executable, str(TESTS / "scaleout_ray.py"), str(report),
                   *sweep_command(work, root / "ray", "--backend=ray")], cwd=REPO, env=env,
@@ -235,6 +238,11 @@ def test_sweep_on_two_node_ray_cluster_matches_local(ray_sweep):
   # Both nodes ran cells.
   cells = [json.loads(p.read_text()) for p in (ray_dir / "study" / "cells").glob("*.json")]
   assert {c["worker"]["node_id"] for c in cells} == {n["id"] for n in cluster["nodes"]}
+  # Ray's workers run their threads before they import lla; the environment the sweep
+  # gives them holds malloc to one arena (lla.allocator.environment_for_workers).
+  arenas = {json.loads((ray_dir / "study" / entry["record"]).read_text())
+            ["provenance"]["allocator"]["arenas"] for c in cells for entry in c["attacks"]}
+  assert arenas == {1}
 
 
 def test_sweep_worker_killed_mid_cell_is_retried_and_written_once(ray_sweep):

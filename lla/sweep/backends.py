@@ -24,6 +24,7 @@ from typing import Iterator
 
 from absl import logging
 
+from lla import allocator
 from lla import runtime
 from lla.sweep import worker as worker_lib
 
@@ -34,6 +35,11 @@ FORWARDED_ENV_PREFIXES = ("LLA_", "JAX_", "XLA_")
 
 def _forwarded_env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+  # A Ray worker runs its threads before it imports lla: glibc's arena limit must be in
+  # the environment it starts with (lla/allocator.py).
+  tunables = allocator.environment_for_workers().get(allocator.TUNABLES_ENV_VAR)
+  if tunables:
+    env[allocator.TUNABLES_ENV_VAR] = tunables
   paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
   return env
