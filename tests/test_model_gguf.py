@@ -1,8 +1,10 @@
 """GGUF loading (`lla.model.gguf_io`) against transformers' own GGUF loader on the same file.
 
-A random tiny Llama (GQA, untied head) and Qwen2 (q/k/v biases, tied) are written as GGUF files
-the way llama.cpp's converter does (llama: q/k rows permuted to the interleaved RoPE layout),
-with the large matrices quantised to Q8_0 / Q4_1. lla dequantises and un-permutes them with the
+A random tiny Llama (GQA, untied head), Qwen2 (q/k/v biases, tied) and Gemma-3 (six layers:
+five windowed with a window shorter than T, one full; q/k-norm, sandwich norms) are written as
+GGUF files the way llama.cpp's converter does (llama: q/k rows permuted to the interleaved RoPE
+layout; gemma3: every norm weight stored as 1 + w), with the large matrices quantised to Q4_1 /
+Q8_0 / Q5_0. lla dequantises and un-permutes them with the
 `gguf` package; transformers (`from_pretrained(dir, gguf_file=...)`, eager attention) does its
 own dequantisation. h, g and the logits must agree to 1e-5 relative (and the HF directory lla
 exports from the GGUF loads in transformers with the same logits): both sides see the same
@@ -31,6 +33,15 @@ CASES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e6)), gguf.GGMLQuantizationType.Q8_0),
+    # What a GGUF cannot say of Gemma-3 is Gemma-3's default: every 6th layer full, the local
+    # base 1e4, the score scale 256 (transformers' default; llama.cpp's head_dim, lla's too:
+    # the same for every Gemma-3 but the 27B), hence head_dim 256.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=8, tie_word_embeddings=True,
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+        gguf.GGMLQuantizationType.Q5_0),
 }
 
 
@@ -47,6 +58,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 _NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
+_GEMMA3_NAMES = {v: k for k, v in {**gguf_io._LAYER_NAMES, **gguf_io._SANDWICH_NAMES}.items()}
 
 
 def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
@@ -63,8 +75,14 @@ def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
   writer.add_head_count(cfg.num_attention_heads)
   writer.add_head_count_kv(cfg.num_key_value_heads)
   writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-  writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-  writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+  rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+  writer.add_rope_freq_base(rope["rope_theta"])
+  head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+  writer.add_rope_dimension_count(head_dim)
+  if arch == "gemma3":
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
   writer.add_vocab_size(len(tokens))
   writer.add_tokenizer_model("gpt2")
   writer.add_tokenizer_pre("default")
@@ -80,7 +98,7 @@ def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
       continue
     if name.startswith("model.layers."):
       _, _, i, rest = name.split(".", 3)
-      out = f"blk.{i}.{_NAMES[rest]}"
+      out = f"blk.{i}.{(_GEMMA3_NAMES if arch == 'gemma3' else _NAMES)[rest]}"
     else:
       out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}[name]
@@ -88,6 +106,8 @@ def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
       w = _permute(w, cfg.num_attention_heads)
     if arch == "llama" and ".attn_k." in out:
       w = _permute(w, cfg.num_key_value_heads)
+    if arch == "gemma3" and out.endswith("norm.weight"):
+      w = w + 1  # llama.cpp's Gemma converters store the (1 + w) its RMSNorm multiplies by
     if w.ndim == 2 and w.shape[1] % 32 == 0:
       writer.add_tensor(out, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     else:
@@ -119,9 +139,9 @@ def hf_boundary(model, tokens: torch.Tensor, k: int):
 def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
   config_cls, model_cls, extra, qtype = CASES[arch]
   torch.manual_seed(0)
-  source = model_cls(config_cls(vocab_size=V, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=3, max_position_embeddings=64,
-                                rms_norm_eps=1e-5, **extra)).eval()
+  source = model_cls(config_cls(**{**dict(
+      vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+      max_position_embeddings=64, rms_norm_eps=1e-5), **extra})).eval()
   with torch.no_grad():
     for p in source.parameters():
       if p.ndim == 1:
@@ -131,7 +151,10 @@ def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
   params, cfg, info = gguf_io.load_gguf(tmp_path / "model.gguf")
   assert info["family"] == arch and info["format"] == "gguf"
   assert qtype.name in info["dequantisation"], info
-  assert cfg.tie_embeddings == (arch == "qwen2") and cfg.qkv_bias == (arch == "qwen2")
+  assert cfg.tie_embeddings == (arch != "llama") and cfg.qkv_bias == (arch == "qwen2")
+  if arch == "gemma3":
+    assert cfg.window_layers == (True,) * 5 + (False,) and cfg.sliding_window == 8
+    assert (cfg.local_rope_theta, cfg.rope_theta, cfg.query_pre_attn_scalar) == (1e4, 1e6, 256)
   import ml_collections
 
   from lla.model import loading
@@ -172,3 +195,83 @@ def test_gguf_refusals(tmp_path):
   assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
   with pytest.raises(gguf_io.GGUFError, match="does not exist"):
     gguf_io.load_gguf(tmp_path / "missing.gguf")
+
+
+def _gemma_vocabulary() -> tuple[list[str], list[int]]:
+  """A Gemma-style SentencePiece vocabulary: control tokens, 256 byte tokens, pieces whose
+  merges only the file's order implies, a run of two spaces stored as spaces (as Gemma's
+  GGUFs store it) and a user-defined token."""
+  tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>"]
+  types = [3, 3, 3, 3, 3, 4]
+  tokens += [f"<0x{b:02X}>" for b in range(256)]
+  types += [6] * 256
+  pieces = (["\u2581"] + list("abcdefghijklmnopqrstuvwxyzT.,")
+            + ["th", "he", "\u2581t", "\u2581the", "the", "in", "ing", "\u2581a", "an", "\u2581an",
+               "er", "\u2581th", "\u2581he", "at", "\u2581cat", "ca", "\u2581ca", "  ", "on", "\u2581on"])
+  return tokens + pieces, types + [1] * len(pieces)
+
+
+def test_gemma3_sentencepiece_tokenizer_is_transformers(tmp_path):
+  """lla's torch-free Gemma tokenizer (`gguf_io.gguf_tokenizer` on a "llama" vocabulary of a
+  gemma3 file) against transformers' own GGUF conversion of the same file: the same ids on
+  text with spaces, runs of spaces, bytes outside the vocabulary (byte fallback), control and
+  user-defined tokens; decoding returns the text; the BOS policy is the file's."""
+  tokens, types = _gemma_vocabulary()
+  writer = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "gemma3")
+  for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                     (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
+                     (writer.add_head_count, 1), (writer.add_head_count_kv, 1),
+                     (writer.add_key_length, 8), (writer.add_value_length, 8),
+                     (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_sliding_window, 8),
+                     (writer.add_rope_freq_base, 1e6), (writer.add_vocab_size, len(tokens))):
+    add(value)
+  writer.add_tokenizer_model("llama")
+  writer.add_tokenizer_pre("default")
+  writer.add_token_list(tokens)
+  # Scores that contradict the file's order: the merges must follow the order.
+  writer.add_token_scores(list(np.random.default_rng(0).standard_normal(len(tokens))))
+  writer.add_token_types(types)
+  writer.add_bos_token_id(2)
+  writer.add_eos_token_id(1)
+  writer.add_unk_token_id(3)
+  writer.add_add_bos_token(True)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+  ours, policy = gguf_io.gguf_tokenizer(tmp_path / "tok.gguf")
+  assert policy == {"bos_token_id": 2, "add_bos_token": True}
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+  texts = ["the cat", "Then the cat ate an onion.", "a  b   c", " leading and trailing ",
+           "<start_of_turn>the<eos> cat", "naïve — 猫 🙂", "x\ty\nz", "<bos>"]
+  for text in texts:
+    ids = ours.encode(text).ids
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(
+        ids, clean_up_tokenization_spaces=False), text
+  # "at" precedes "ca" and "\u2581ca" in the file, so "c a t" merges to "c at", which no
+  # token continues: the file's order, not "\u2581cat"'s presence, decides.
+  assert ours.encode("the cat").tokens == ["the", "\u2581", "c", "at"]
+  assert ours.encode("é").tokens == ["<0xC3>", "<0xA9>"] and ours.decode(ours.encode("é").ids) == "é"
+  assert ours.encode("a  b").tokens == ["a", "\u2581\u2581", "b"]  # the stored "  " respelled
+  assert ours.encode("<start_of_turn>").ids == [5]
+
+
+def test_a_package_that_assembles_its_file(tmp_path, monkeypatch):
+  """`packaged_file` on a package shipping no .gguf but an `assemble()` (the Gemma-3 wheel's
+  chunks): its path; an assembly that fails (a sha256 mismatch) is one line naming the
+  package and the reinstall."""
+  for name, body in (("lla_fake_chunks_ok", "return pathlib.Path(%r)" % str(tmp_path / "m.gguf")),
+                     ("lla_fake_chunks_bad", "raise ValueError('Assembled file sha256 did not match')")):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(
+        f"import pathlib\n\ndef assemble():\n  {body}\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert gguf_io.packaged_file("lla_fake_chunks_ok") == str(tmp_path / "m.gguf")
+  with pytest.raises(gguf_io.GGUFError) as info:
+    gguf_io.packaged_file("lla_fake_chunks_bad")
+  message = str(info.value)
+  assert "\n" not in message and "lla_fake_chunks_bad" in message and "sha256" in message
+  with pytest.raises(gguf_io.GGUFError, match="is not installed"):
+    gguf_io.packaged_file("lla_no_such_package")

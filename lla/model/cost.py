@@ -78,10 +78,11 @@ def block_biases(cfg) -> int:
 
 
 def block_params(cfg) -> int:
-  """Every parameter of one block: weights, biases, its two norms (and Qwen3's q/k norms
-  over head_dim). GPT-2: 12 d^2 + 13 d."""
+  """Every parameter of one block: weights, biases, its two norms (four with Gemma-3's
+  sandwich norms; and the q/k norms over head_dim of Qwen3 and Gemma-3). GPT-2: 12 d^2 + 13 d."""
   qk_norm = 0 if _gpt2(cfg) or not cfg.qk_norm else 2 * cfg.head_dim
-  return (block_weights(cfg) + block_biases(cfg) + 2 * norm_params(cfg, cfg.n_embd)
+  norms = 4 if not _gpt2(cfg) and cfg.sandwich_norms else 2
+  return (block_weights(cfg) + block_biases(cfg) + norms * norm_params(cfg, cfg.n_embd)
           + qk_norm)
 
 

@@ -1,4 +1,4 @@
-"""RoPE decoder families (llama, mistral, qwen2, qwen3, gemma) in Flax linen.
+"""RoPE decoder families (llama, mistral, qwen2, qwen3, gemma, gemma3) in Flax linen.
 
 One frozen `DecoderConfig` describes every family; one module `Decoder` implements them with
 the same entry points as `lla.model.gpt2.GPT2` (`embed`, `blocks` over a layer range, `head`,
@@ -17,7 +17,11 @@ relatives), formula by formula (../shared/notes/model-families.md, section 2):
 * GQA: query head `h` reads KV head `h // (H / H_kv)`; scores `q k^T * head_dim^-0.5`,
   softmax in float32; Mistral/Qwen sliding window: key `j` visible to query `i` iff
   `i - W < j <= i`.
-* Qwen2's q/k/v biases; Qwen3's q/k RMSNorm over head_dim, applied before RoPE.
+* Qwen2's q/k/v biases; Qwen3's (and Gemma-3's) q/k RMSNorm over head_dim, before RoPE.
+* Gemma-3: "sandwich" norms (the attention and MLP outputs are normed before the residual
+  add, the MLP input by `pre_feedforward_layernorm`); scores scaled by
+  `query_pre_attn_scalar^-0.5`; windowed ("sliding_attention") layers rotate with their own
+  default RoPE of base `local_rope_theta`, the others with the config's RoPE.
 * MLP `down(act(gate(x)) * up(x))` with SiLU (swiglu) or tanh-GELU (geglu), or `down(gelu(up))`.
 * Input embedding times `embed_scale` (Gemma sqrt(d)); head tied to the input table or a
   separate `lm_head` `[V, d]`.
@@ -43,7 +47,7 @@ import numpy as np
 NORMS = ("rmsnorm", "rmsnorm_1p", "layernorm")
 MLPS = ("swiglu", "geglu", "gelu")
 ROPE_TYPES = ("default", "linear", "llama3")
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,10 @@ class DecoderConfig:
   qkv_bias: bool = False
   o_bias: bool = False
   mlp_bias: bool = False
-  qk_norm: bool = False            # Qwen3: RMSNorm over head_dim of q and k, before RoPE
+  qk_norm: bool = False            # Qwen3, Gemma-3: RMSNorm over head_dim of q and k, before RoPE
+  sandwich_norms: bool = False     # Gemma-3: attention and MLP outputs normed before the add
+  query_pre_attn_scalar: float = 0.0  # Gemma-3: scores times s^-0.5; 0: s = head_dim
+  local_rope_theta: float = 0.0    # Gemma-3: default RoPE of this base on windowed layers; 0: none
   sliding_window: int = 0          # 0: none; else key j visible to query i iff i - W < j <= i
   window_layers: tuple[bool, ...] = ()  # which layers use the window; () = all of them
   tie_embeddings: bool = True
@@ -99,6 +106,10 @@ class DecoderConfig:
         (not self.window_layers or len(self.window_layers) == self.n_layer,
          f"window_layers has {len(self.window_layers)} entries for n_layer={self.n_layer}"),
         (self.sliding_window >= 0, f"sliding_window={self.sliding_window} < 0"),
+        (self.query_pre_attn_scalar >= 0,
+         f"query_pre_attn_scalar={self.query_pre_attn_scalar} < 0"),
+        (not self.local_rope_theta or self.sliding_window,
+         f"local_rope_theta={self.local_rope_theta} needs windowed layers (sliding_window > 0)"),
         (self.dtype in ("float32", "bfloat16"), f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}"),
     ]
     for ok, message in checks:
@@ -118,6 +129,14 @@ class DecoderConfig:
     if not self.sliding_window:
       return 0
     return self.sliding_window if (not self.window_layers or self.window_layers[layer]) else 0
+
+  def rope_of(self, layer: int) -> "DecoderConfig":
+    """The config whose RoPE fields `layer` rotates with: a windowed layer of a config with
+    `local_rope_theta` has its own default RoPE (Gemma-3's local layers)."""
+    if self.local_rope_theta and self.window(layer):
+      return dataclasses.replace(self, rope_type="default", rope_theta=self.local_rope_theta,
+                                 rope_factor=1.0, local_rope_theta=0.0)
+    return self
 
   def replace(self, **changes) -> "DecoderConfig":
     return dataclasses.replace(self, **changes)
@@ -147,10 +166,12 @@ def inv_freq(cfg: DecoderConfig) -> np.ndarray:
   return inv
 
 
-def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin `[..., D]` float32 for integer positions `[...]` (the one formula used by both
-  the batched blocks and the cached step)."""
-  freqs = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(cfg))
+def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array,
+                 layer: int = 0) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[..., D]` float32 for integer positions `[...]` at `layer` (the one formula
+  used by both the batched blocks and the cached step)."""
+  rope = cfg.rope_of(layer)
+  freqs = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rope))
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 
@@ -211,7 +232,7 @@ class Attention(nn.Module):
 
   @property
   def scale(self) -> float:
-    return self.cfg.head_dim ** -0.5
+    return (self.cfg.query_pre_attn_scalar or self.cfg.head_dim) ** -0.5
 
   def _qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """x [..., d] -> q [..., H, D], k, v [..., H_kv, D]; q and k normed (Qwen3) and rotated.
@@ -230,7 +251,7 @@ class Attention(nn.Module):
     """x [B, T, d], positions [T] int -> [B, T, d]."""
     cfg = self.cfg
     b, t = x.shape[0], x.shape[-2]
-    q, k, v = self._qkv(x, *rope_cos_sin(cfg, positions))
+    q, k, v = self._qkv(x, *rope_cos_sin(cfg, positions, self.layer))
     q = q.reshape(b, t, cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * self.scale
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
@@ -255,7 +276,7 @@ class Attention(nn.Module):
       (y_t [d], k_t [H_kv, D] rotated, v_t [H_kv, D]).
     """
     cfg = self.cfg
-    q_t, k_t, v_t = self._qkv(x_t, *rope_cos_sin(cfg, t))
+    q_t, k_t, v_t = self._qkv(x_t, *rope_cos_sin(cfg, t, self.layer))
     qg = q_t.reshape(cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     prefix = jnp.einsum("kgd,skd->kgs", qg, cache_k.astype(qg.dtype)).astype(jnp.float32) * self.scale
     rows = jnp.arange(cache_k.shape[0])
@@ -289,7 +310,8 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms`
+  (Gemma-3) x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
   cfg: DecoderConfig
   layer: int
@@ -297,18 +319,32 @@ class Layer(nn.Module):
   def setup(self):
     self.input_layernorm = _norm(self.cfg, "input_layernorm")
     self.self_attn = Attention(self.cfg, self.layer, name="self_attn")
+    # HF's name in both layouts: the MLP's input norm, or (sandwich) the attention output's.
     self.post_attention_layernorm = _norm(self.cfg, "post_attention_layernorm")
+    if self.cfg.sandwich_norms:
+      self.pre_feedforward_layernorm = _norm(self.cfg, "pre_feedforward_layernorm")
+      self.post_feedforward_layernorm = _norm(self.cfg, "post_feedforward_layernorm")
     self.mlp = MLP(self.cfg, name="mlp")
 
+  def _attention_out(self, out: jax.Array) -> jax.Array:
+    return self.post_attention_layernorm(out) if self.cfg.sandwich_norms else out
+
+  def _mlp_branch(self, x: jax.Array) -> jax.Array:
+    if self.cfg.sandwich_norms:
+      hidden = self.mlp(self.pre_feedforward_layernorm(x).astype(x.dtype))
+      return self.post_feedforward_layernorm(hidden).astype(x.dtype)
+    return self.mlp(self.post_attention_layernorm(x).astype(x.dtype)).astype(x.dtype)
+
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    x = x + self.self_attn(self.input_layernorm(x).astype(x.dtype), positions).astype(x.dtype)
-    return x + self.mlp(self.post_attention_layernorm(x).astype(x.dtype)).astype(x.dtype)
+    out = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions)
+    x = x + self._attention_out(out).astype(x.dtype)
+    return x + self._mlp_branch(x)
 
   def step(self, x_t, cache_k, cache_v, t):
     out, k_t, v_t = self.self_attn.step(self.input_layernorm(x_t).astype(x_t.dtype),
                                         cache_k, cache_v, t)
-    x_t = x_t + out.astype(x_t.dtype)
-    return x_t + self.mlp(self.post_attention_layernorm(x_t).astype(x_t.dtype)).astype(x_t.dtype), k_t, v_t
+    x_t = x_t + self._attention_out(out).astype(x_t.dtype)
+    return x_t + self._mlp_branch(x_t), k_t, v_t
 
 
 class Decoder(nn.Module):

