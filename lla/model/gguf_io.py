@@ -271,14 +271,12 @@ def _gemma_tokenizer(meta: dict):
   tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
             for t in meta["tokenizer.ggml.tokens"]]
   vocab = {t: i for i, t in enumerate(tokens)}
-  merges = []
-  for rank, token in enumerate(tokens):
-    pairs = [(token[:i], token[i:]) for i in range(1, len(token))
-             if token[:i] in vocab and token[i:] in vocab]
-    merges.extend((rank, len(l), len(r), vocab[l], vocab[r], l, r) for l, r in pairs)
-  merges.sort(key=lambda m: m[:3])  # stable: a token's own pairs stay in vocabulary order
+  # In the file's order; a token's own splits longest left piece first (transformers'
+  # `generate_merges` order).
+  merges = [(token[:i], token[i:]) for token in tokens for i in range(len(token) - 1, 0, -1)
+            if token[:i] in vocab and token[i:] in vocab]
   unk = meta.get("tokenizer.ggml.unknown_token_id")
-  tokenizer = Tokenizer(models.BPE(vocab, [(m[5], m[6]) for m in merges], fuse_unk=True,
+  tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True,
                                    unk_token=tokens[int(unk)] if unk is not None else None,
                                    byte_fallback=True))
   tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
