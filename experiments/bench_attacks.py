@@ -13,7 +13,8 @@ warm (every executable already compiled). Reported per capture and attack:
     statistics;
   * the machine's float32 matmul FLOP/s (jax and torch);
   * the beam searches written plainly in PyTorch with transformers' GPT-2 on the same
-    candidates (training capture): once recomputing every (beam, candidate) prefix, once
+    candidates (training capture), on JAX's device (the GPU, when JAX runs on one) at
+    JAX's matmul precision: once recomputing every (beam, candidate) prefix, once
     with a `past_key_values` cache; per-document times, token agreement with lla;
   * cold starts (--cold_start, on the first capture): each attack once in a FIRST fresh
     process whose persistent compilation cache (lla.runtime, $LLA_COMPILATION_CACHE_DIR)
@@ -148,22 +149,36 @@ def _timed(fn, repeats=1):
   return out, best
 
 
-def matmul_flops(n: int) -> dict:
+def torch_on(platform: str) -> str:
+  """The PyTorch device beside JAX's: the GPU when JAX runs on one (and torch sees it), at
+  the float32 matmul precision lla.runtime set for JAX, so both sides do the same
+  arithmetic."""
+  import torch
+  mode = runtime.precision_record()["matmul_precision"]
+  torch.set_float32_matmul_precision(
+      {"float32": "highest", "tensorfloat32": "high", "bfloat16": "medium"}[mode])
+  return "cuda" if platform == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def matmul_flops(n: int, torch_device: str) -> dict:
   import torch
   a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32))
   mm = jax.jit(lambda x, y: x @ y)
   mm(a, a).block_until_ready()
   _, t_jax = _timed(lambda: mm(a, a), repeats=5)
-  ta = torch.from_numpy(np.asarray(a))
+  ta = torch.from_numpy(np.array(a)).to(torch_device)
+  sync = torch.cuda.synchronize if torch_device == "cuda" else lambda: None
   torch.mm(ta, ta)
+  sync()
   best = float("inf")
   for _ in range(5):
     start = time.perf_counter()
     torch.mm(ta, ta)
+    sync()
     best = min(best, time.perf_counter() - start)
   flops = 2.0 * n**3
   return {"n": n, "jax_flops_per_s": flops / t_jax, "torch_flops_per_s": flops / best,
-          "torch_threads": torch.get_num_threads()}
+          "torch_device": torch_device, "torch_threads": torch.get_num_threads()}
 
 
 def lla_attack(name: str, make_ws, budget: dict, truth: np.ndarray) -> dict:
@@ -205,16 +220,18 @@ def beam_candidates(name: str, ws: Workspace, budget: dict) -> np.ndarray:
 
 
 def torch_beam(model, h: np.ndarray, cands: np.ndarray, width: int, cached: bool) -> np.ndarray:
-  """The pinned beam search, plainly, batched over documents. model: truncated GPT2Model."""
+  """The pinned beam search, plainly, batched over documents, on the model's device.
+  model: truncated GPT2Model."""
   import torch
   n, t_len, c = cands.shape
-  target = torch.from_numpy(h)
-  cand = torch.from_numpy(cands.astype(np.int64))
-  scores = torch.full((n, width), float("inf"))
+  dev = model.device
+  target = torch.from_numpy(h).to(dev)
+  cand = torch.from_numpy(cands.astype(np.int64)).to(dev)
+  scores = torch.full((n, width), float("inf"), device=dev)
   scores[:, 0] = 0.0
-  tokens = torch.zeros((n, width, t_len), dtype=torch.long)
+  tokens = torch.zeros((n, width, t_len), dtype=torch.long, device=dev)
   cache = None
-  rows = torch.arange(n)[:, None]
+  rows = torch.arange(n, device=dev)[:, None]
   with torch.inference_mode():
     for t in range(t_len):
       step_c = cand[:, t]                                             # [n, C]
@@ -238,16 +255,17 @@ def torch_beam(model, h: np.ndarray, cands: np.ndarray, width: int, cached: bool
       tokens[:, :, t] = step_c[rows, rank]
       if cached:
         cache.batch_select_indices((rows * width * c + order).reshape(-1))
-  return tokens[:, 0].numpy()
+  return tokens[:, 0].cpu().numpy()  # .cpu() waits for the GPU: the clock stops after
 
 
 def torch_side(hf_dir: str, cut: int, beams: dict, h: np.ndarray, width: int,
-               docs_cached: int, docs_nocache: int) -> dict:
+               docs_cached: int, docs_nocache: int, torch_device: str) -> dict:
   """beams: {attack: (candidates [B, T, C], lla predictions [B, T])}."""
   import torch
   from transformers import GPT2LMHeadModel
   torch.set_num_threads(os.cpu_count() or 1)
   full = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager").eval()
+  full.to(torch_device)
   model = full.transformer
   model.h = model.h[:cut]          # the client: first k blocks, no ln_f
   model.ln_f = torch.nn.Identity()
@@ -425,7 +443,8 @@ def bench(work: Path, device: jax.Device):
         "h": h, "g": g, "tokens": tokens, "calibration": cal,
         "batch_docs": np.asarray(batch_docs, np.int32)})
 
-  peak = matmul_flops(_MATMUL_N.value)
+  torch_device = torch_on(device.platform)
+  peak = matmul_flops(_MATMUL_N.value, torch_device)
   logging.info("matmul: %s", peak)
   results, beams = {}, {}
   for capture in _CAPTURES.value:
@@ -459,12 +478,14 @@ def bench(work: Path, device: jax.Device):
   if beams and (_TORCH_BATCH.value > 0 or nocache > 0):
     with tempfile.TemporaryDirectory(prefix="bench_attacks_") as tmp:
       hf_io.save_hf_dir(params, cfg, tmp)
-      torch_runs = torch_side(tmp, k, beams, h, width, _TORCH_BATCH.value, nocache)
+      torch_runs = torch_side(tmp, k, beams, h, width, _TORCH_BATCH.value, nocache,
+                              torch_device)
 
   print(f"\n{model_name} (d={cfg.n_embd}, L={cfg.n_layer}, V={cfg.vocab_size}), k={k}, T={t}, "
         f"B={b} on {device.device_kind} ({device.platform}, {len(jax.devices())} device(s)); "
         f"jax matmul {peak['jax_flops_per_s'] / 1e9:.1f} GFLOP/s, torch matmul "
-        f"{peak['torch_flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['n']}^2 float32)")
+        f"{peak['torch_flops_per_s'] / 1e9:.1f} GFLOP/s on {torch_device} ({peak['n']}^3 "
+        "float32)")
   print(f"{'capture':10s}{'attack':12s}{'tokens':>8s}{'exact':>7s}{'GFLOP/doc':>11s}"
         f"{'x ' + REFERENCE:>14s}{'warm s/doc':>11s}{'x ' + REFERENCE:>14s}{'compile s':>10s}"
         f"{'GFLOP/s':>9s}")

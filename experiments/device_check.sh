@@ -75,13 +75,13 @@ run() {
   } >"$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
   local docs=${DOCS:-256} torch_docs=${TORCH_DOCS:-32} rows=${KERNEL_ROWS:-8192}
-  step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_vocab_topk.py
-  step kernels 100 python3 -m experiments.bench_kernels --device=auto --rows="$rows" \
+  step tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_vocab_topk.py
+  step kernels 120 python3 -m experiments.bench_kernels --device=auto --rows="$rows" \
     --out_json="$OUT/kernels.json"
-  step attacks 240 python3 -m experiments.bench_attacks --device=auto --batch="$docs" \
+  step attacks 270 python3 -m experiments.bench_attacks --device=auto --batch="$docs" \
     --torch_batch="$torch_docs" --torch_nocache_batch=0 --cold_start=false \
     --kernel_rows="$rows" --out_json="$OUT/attacks.json"
-  step precision 90 python3 -m experiments.bench_precision --model=gpt2_124m \
+  step precision 100 python3 -m experiments.bench_precision --model=gpt2_124m \
     --docs="${PRECISION_DOCS:-64}" --mode=runtime --precisions="${PRECISIONS:-float32,tensorfloat32,bfloat16}" \
     --out_json="$OUT/precision.json"
   ls -l "$OUT"

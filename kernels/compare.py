@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -44,14 +45,20 @@ def memory(compiled) -> dict:
           for name in ("temp", "output", "argument") if hasattr(stats, f"{name}_size_in_bytes")}
 
 
-def timed(fn, args, repeats: int, warm_up: bool = True) -> dict:
+def timed(fn, args, repeats: int, warm_up: bool = True, label: str = "") -> dict:
   """Compiles the jitted `fn` for `args`, then times `repeats` calls (after one untimed
-  call when `warm_up`)."""
+  call when `warm_up`). With a `label` each phase is logged as it ends, so that a run
+  stopped by a time limit still says where its time went."""
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
   compile_s = time.perf_counter() - start
+  if label:
+    logging.info("%s: compiled in %.1f s", label, compile_s)
   if warm_up:
+    start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
+    if label:
+      logging.info("%s: first call %.2f s", label, time.perf_counter() - start)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -77,7 +84,8 @@ def compare(x, table, k: int, kind: str, precision: str, repeats: int,
                                                  precision=precision))
   kernel = jax.jit(lambda x, table: vocab_topk.topk(x, table, k, kind, impl=impl,
                                                     precision=precision))
-  runs = {"xla": timed(xla, (x, table), repeats), "topk": timed(kernel, (x, table), repeats)}
+  runs = {name: timed(fn, (x, table), repeats, label=f"{kind} {name}")
+          for name, fn in (("xla", xla), ("topk", kernel))}
   for run in runs.values():
     run["agreement"] = agreement(run["out"], runs["xla"]["out"])
   return runs

@@ -151,14 +151,15 @@ def test_bfloat16_precision_casts_float32_inputs():
     np.testing.assert_array_equal(
         np.asarray(vocab_topk.topk(x, table, 8, "dot", impl="reference")[0]),
         np.asarray(want[0]))
-  assert vocab_topk.matmul_precision(None) == "float32"
+  with jax.default_matmul_precision(None):  # unset (the test session sets it: conftest)
+    assert vocab_topk.matmul_precision(None) == "float32"
   with pytest.raises(ValueError, match="matmul precision must be one of"):
     vocab_topk.matmul_precision("float16")
 
 
 def test_auto_on_cpu_is_the_reference_executable():
-  x, table, mask = integer_problem(seed=5)
-  x, table, mask = jnp.asarray(x), jnp.asarray(table), jnp.asarray(mask)
+  cpu = jax.devices("cpu")[0]  # the CPU backend also where an accelerator is the default
+  x, table, mask = (jax.device_put(a, cpu) for a in integer_problem(seed=5))
   strip = lambda hlo: re.sub(r", metadata=\{[^}]*\}", "", hlo.split("ENTRY")[1])
   for m in (None, mask):
     auto = vocab_topk.topk.lower(x, table, 16, "neg_sq_dist", m).compile().as_text()
