@@ -447,6 +447,7 @@ def test_regenerate_names_provenance_differences(setup, tmp_path):
   record["provenance"].update(jax_version="0.4.30", xla_flags="--xla_cpu_enable_fast_math=true")
   record["provenance"]["jax_config"]["jax_default_matmul_precision"] = "bfloat16"
   del record["provenance"]["jaxlib_version"]
+  record["attack_revision"] = 2  # made by a later ridge than this checkout's (revision 1)
   path.unlink()
   files.atomic_write_json(str(path), record)
   proc = _binary("regenerate", f"--workdir={run_dir}")
@@ -461,9 +462,10 @@ def test_regenerate_names_provenance_differences(setup, tmp_path):
       "'ridge')",
       f"PROVENANCE jaxlib_version: not recorded, now '{jaxlib.__version__}' (first in record "
       "'ridge')",
+      "PROVENANCE ridge revision: recorded 2, now 1 (first in record 'ridge')",
       "PROVENANCE xla_flags: recorded '--xla_cpu_enable_fast_math=true', now '' (first in "
       "record 'ridge')"]
-  assert lines[-1] == (f"OK {run_dir}: every prediction regenerated bit for bit; 4 provenance "
+  assert lines[-1] == (f"OK {run_dir}: every prediction regenerated bit for bit; 5 provenance "
                        "difference(s) listed above")
 
 
@@ -490,4 +492,23 @@ def test_replay_into_a_run_of_other_inputs_is_refused_naming_them(setup, referen
   for who, capture_dir, message in cases:
     with pytest.raises(replay.ReplayInputError, match=message):
       replay.replay(str(workdir), str(capture_dir), who, ATTACKS, budget(), seed=0, mesh=None)
+  assert tree_state(workdir) == before
+
+
+def test_a_record_of_another_attack_revision_is_not_reused(setup, reference_run, tmp_path):
+  """Records carry the revision of the attack that made them; a finished record that
+  another revision made (here a later one than this checkout's) is refused, not reused."""
+  root, attacker, _ = setup
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run[0], workdir)
+  path = workdir / "records" / "ridge.json"
+  record = files.read_json(str(path))
+  assert record["attack_revision"] == registry.get("ridge").spec.revision == 1
+  files.atomic_write_json(str(path), dict(record, attack_revision=2), overwrite=True)
+  before = tree_state(workdir)
+  with pytest.raises(replay.ReplayInputError,
+                     match=r"ridge.json was made by ridge revision 2, the registered ridge is "
+                     r"revision 1; refusing to reuse it"):
+    replay.replay(str(workdir), str(root / "cap"), attacker, ATTACKS, budget(), seed=0,
+                  mesh=None)
   assert tree_state(workdir) == before

@@ -104,6 +104,10 @@ def test_registry_refusals():
     registry.register(_Dummy(registry.AttackSpec("activation", "x", ("activations",))))
   with pytest.raises(ValueError, match=r"requires unknown observations \['logits'\]"):
     registry.register(_Dummy(registry.AttackSpec("logit_test", "x", ("activations", "logits"))))
+  for revision in (0, 1.5):
+    with pytest.raises(ValueError, match=f"revision {revision} is not a positive integer"):
+      registry.register(_Dummy(registry.AttackSpec("revision_test", "x", ("activations",),
+                                                   revision=revision)))
   assert registry.names() == names  # nothing was added
   with pytest.raises(KeyError, match="no attack named 'nope'"):
     registry.get("nope")

@@ -11,6 +11,7 @@ With CI=true in the environment, a missing `ray` or `submitit` fails the tests t
 instead of skipping them.
 """
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -294,6 +295,26 @@ def test_sweep_resumes_verified_cells_and_refuses_changed_ones(ray_sweep, tmp_pa
                            capture_output=True, text=True, timeout=TIMEOUT_S)
   assert refused.returncode != 0
   assert f"{changed}: missing or changed" in refused.stderr
+
+
+def test_a_cell_made_by_another_attack_revision_is_not_resumed(ray_sweep, monkeypatch):
+  """A finished cell whose record another revision of its attack made (a fix since) is
+  refused, naming both revisions; at the revision that made it, the cell is reused."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  from lla.sweep import cells as cells_lib  # pylint: disable=g-import-not-at-top
+  from lla.sweep import study as study_lib  # pylint: disable=g-import-not-at-top
+  _, local_dir, _, _ = ray_sweep
+  study = str(local_dir / "study")
+  path = sorted((local_dir / "study" / "cells").glob("*.json"))[0]
+  stored = json.loads(path.read_text())
+  cell = cells_lib.Cell(stored["cell_id"], stored["config"], stored["group"])
+  assert study_lib.finished(study, cell) == stored
+  ridge = registry.get("ridge")  # the attack as a later checkout would register it
+  monkeypatch.setitem(registry._REGISTRY, "ridge",  # pylint: disable=protected-access
+                      dataclasses.replace(ridge, spec=dataclasses.replace(ridge.spec, revision=2)))
+  with pytest.raises(study_lib.StudyError,
+                     match=rf"{path}: ridge ran at revision 1, the registered one is revision 2"):
+    study_lib.finished(study, cell)
 
 
 def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path):

@@ -68,6 +68,10 @@ class AttackSpec:
       test's recorded outcome (lla.study.qualification), `unmeasured` until it ran.
     validate_budget: optional check of relations between its budget fields, called with
       (budget dict, vocabulary size); raises budget.BudgetError naming the fields.
+    revision: the algorithm's revision, raised by one with every change that alters its
+      predictions on some input (a fix, a changed step). Each record stores the revision
+      that made it; a finished record of another revision is never reused in place of a
+      run of this one (lla.replay.driver), and regenerating it names the difference.
   """
 
   name: str
@@ -89,6 +93,7 @@ class AttackSpec:
   checks: tuple[tuple[str, str, str], ...] = ()
   validate_budget: Callable[[dict, int], None] | None = dataclasses.field(
       default=None, compare=False)
+  revision: int = 1
 
   def to_dict(self) -> dict[str, Any]:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -155,6 +160,8 @@ def register(attack: Attack) -> Attack:
     problems.append(f"role {spec.role!r} not in {ROLES}")
   if spec.tier not in TIERS:
     problems.append(f"tier {spec.tier!r} not in {TIERS}")
+  if not isinstance(spec.revision, int) or spec.revision < 1:
+    problems.append(f"revision {spec.revision!r} is not a positive integer")
   undeclared = [f for f in spec.budget_fields if f not in budget_lib.fields()]
   if undeclared:
     problems.append(f"reads undeclared budget fields {undeclared} (declare them with "

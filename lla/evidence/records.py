@@ -66,6 +66,9 @@ class AttackRecord:
   stages: dict
   details: dict
   provenance: dict
+  # The attack's AttackSpec.revision when the record was made (records written before
+  # the field existed were made at revision 1).
+  attack_revision: int = 1
   schema: str = SCHEMA
 
   def __post_init__(self):

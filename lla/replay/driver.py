@@ -222,9 +222,11 @@ def file_name(run_id: str) -> str:
   return run_id.replace("/", "__")
 
 
-def _check_reuse(run_dir: str, name: str, e: dict, e_hash: str, capture_sha: str) -> None:
+def _check_reuse(run_dir: str, name: str, spec, e: dict, e_hash: str,
+                 capture_sha: str) -> None:
   """Refuses (before anything is written) a finished record of `name` that was made under
-  another protocol tuple or from another capture: it is never silently reused."""
+  another protocol tuple, from another capture or by another revision of its attack: it
+  is never silently reused."""
   path = os.path.join(run_dir, rundir.RECORDS, f"{name}.json")
   if not os.path.exists(path) or f"{rundir.RECORDS}/{name}.json" not in rundir.logged_files(
       run_dir):
@@ -239,6 +241,10 @@ def _check_reuse(run_dir: str, name: str, e: dict, e_hash: str, capture_sha: str
     old = _stored_protocol(run_dir, record.e_hash)
     what = "" if old is None else f" (differs in {', '.join(differences(old, e))})"
     raise ReplayInputError(f"{path} was made under another protocol tuple{what}; refusing "
+                           "to reuse it: use a new --workdir or run prefix")
+  if record.attack_revision != spec.revision:
+    raise ReplayInputError(f"{path} was made by {spec.name} revision {record.attack_revision}, "
+                           f"the registered {spec.name} is revision {spec.revision}; refusing "
                            "to reuse it: use a new --workdir or run prefix")
 
 
@@ -325,7 +331,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   capture, specs, e = plan.capture, plan.specs, plan.e
   with rundir.locked(run_dir, lock_wait_s, what="replay"):
     for spec in specs:
-      _check_reuse(run_dir, file_name(run_prefix + spec.name), e, rundir.e_hash(e),
+      _check_reuse(run_dir, file_name(run_prefix + spec.name), spec, e, rundir.e_hash(e),
                    capture.manifest_sha256)
     _check_protocol(run_dir, e)
     pin_inputs(run_dir, rundir.e_hash(e), plan.attacker, calibration_defense, check_only=True)
@@ -488,7 +494,7 @@ def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, 
   view = budget_lib.View(values, spec.budget_fields, spec.name)
   measured = error is None
   return AttackRecord(
-      run_id=run_id, attack=spec.name, family=spec.family,
+      run_id=run_id, attack=spec.name, family=spec.family, attack_revision=spec.revision,
       status="ok" if measured else "crashed",
       error=None if measured else f"{type(error).__name__}: {error}",
       prediction_file=prediction_file, prediction_sha256=prediction_sha256,

@@ -5,7 +5,8 @@ loaded from the source pinned in `inputs/<e_hash>.json` (hash-checked), the pinn
 calibration tokens, the budget of its protocol tuple and its seed. PROTOCOL section 3:
 the same capture, E and seeds give identical predictions, on the same software stack and
 device kind: every difference between a record's provenance (lla.provenance) and this
-process's is named beside the verdict. Records made outside replay (modules that run in
+process's, and between the attack revision that made it and the registered one
+(AttackSpec.revision), is named beside the verdict. Records made outside replay (modules that run in
 their own driver, such as the decoy-row experiment) are listed as not regenerated here.
 """
 
@@ -76,7 +77,8 @@ class Regeneration:
   """problems: predictions that differ (empty: bit for bit); regenerated: the run_ids
   recomputed; skipped: 'run_id: why' of measured records not regenerated here (a sample
   leaves the rest out without listing them); provenance: 'field: recorded X, now Y' for
-  every difference between the records' provenance and this process's."""
+  every difference between the records' provenance and this process's, and each attack
+  whose records were made by another revision of it."""
   problems: list[str]
   regenerated: list[str]
   skipped: list[str]
@@ -114,6 +116,9 @@ def check(run_dir: str, memory_budget_bytes: int = 1 << 30,
       differences.setdefault(line, record.run_id)
     e = _protocol(run_dir, record.e_hash)
     attack = registry.get(record.attack)
+    if record.attack_revision != attack.spec.revision:
+      differences.setdefault(f"{record.attack} revision: recorded {record.attack_revision}, "
+                             f"now {attack.spec.revision}", record.run_id)
     missing = sorted(set(attack.spec.budget_fields) - set(e["B"]["fields"]))
     if missing:
       raise RegenerationError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from lla.attacks import registry
 from lla.replay import driver as replay
 from lla.evidence import files, rundir
 from lla.evidence.records import AttackRecord
@@ -51,8 +52,9 @@ def finished(study: str, cell: cells_lib.Cell) -> dict | None:
   """The cell file of a finished cell, verified, or None.
 
   Raises:
-    StudyError: the cell file, or a file it lists, changed since it was written (never
-      resumed over).
+    StudyError: the cell file, or a file it lists, changed since it was written, or one of
+      its records was made by another revision of its attack than the registered one
+      (never resumed over).
   """
   path = cell_path(study, cell.cell_id)
   if not os.path.exists(path):
@@ -69,6 +71,14 @@ def finished(study: str, cell: cells_lib.Cell) -> dict | None:
       if not os.path.exists(full) or files.sha256_file(full) != sha:
         raise StudyError(f"{full}: missing or changed since {path} was written; refusing to "
                          "resume over it")
+    if entry["record"] is not None:
+      record = AttackRecord.load(os.path.join(study, entry["record"]))
+      if record.attack in registry.names():
+        revision = registry.get(record.attack).spec.revision
+        if record.attack_revision != revision:
+          raise StudyError(f"{path}: {record.attack} ran at revision {record.attack_revision}, "
+                           f"the registered one is revision {revision}; refusing to resume "
+                           "over it")
   return stored
 
 

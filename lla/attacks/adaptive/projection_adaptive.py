@@ -708,6 +708,9 @@ class ProjectionAdaptive:
                      "projection_max_candidates", "projection_fallback_rows",
                      "projection_tolerance_factor", "projection_refits"),
       adapts_to=("projection",), reference_attack="activation",
+      # 2 (6cf3f3a): the subspace that ranks every document's candidates is built from
+      # exact pairs only; revision 1 let a failed document's rows bend the others' view.
+      revision=2,
       description="Haar: position-by-position inversion through rotation invariants (each "
       "row's norm and inner products with the positions before it, matched by the "
       "KV-cached client's candidates, beam search); Gaussian: approximate invariants, a "
