@@ -120,8 +120,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.budget.eia_steps = 20 if tiny else 50
     config.budget.eia_mapper = False
     config.budget.sip_epochs = 3 if tiny else 15
-    # SipIt on defended captures (tiny runs it on every one): a document whose position 0
-    # no token reproduces skips the later brute force (nearest verified candidate instead).
+    # SipIt on a defended capture (skipped there with the other published attacks unless
+    # --config.defense_skip_attacks is overridden): a document whose position 0 no token
+    # reproduces skips the later brute force (nearest verified candidate instead).
     config.budget.sipit_brute_force_inexact = False
   # The published attacks (issue 10): on CPU, on the first fine-tuned model at the primary
   # setting and its first `docs` evaluation documents (lla.study.main_table.published_attacks).
