@@ -80,13 +80,19 @@ def main(argv):
               f"{a['positions_equal']:11.5f}{a['rows_equal']:8.4f}{a['max_abs_value_diff']:10.2g}")
         del run["out"]
       results["kinds"][kind] = runs
+      _write(results)  # after each kind: a run stopped by a time limit keeps what it timed
   if backend == "cpu":
     print("On CPU `topk` is the reference (the same executable as xla); the interpret-mode "
           "row checks the kernel's algorithm, not its speed.")
   if _OUT_JSON.value:
-    with open(_OUT_JSON.value, "w") as f:
-      json.dump(results, f, indent=2, sort_keys=True)
     print(f"wrote {_OUT_JSON.value}")
+
+
+def _write(results: dict) -> None:
+  if _OUT_JSON.value:
+    with open(_OUT_JSON.value + ".tmp", "w") as f:
+      json.dump(results, f, indent=2, sort_keys=True)
+    os.replace(_OUT_JSON.value + ".tmp", _OUT_JSON.value)
 
 
 if __name__ == "__main__":
