@@ -16,6 +16,9 @@
 # runs, each step under its own time limit so that one hang keeps the others' results, and
 # writes into $OUT (at most 8 files, as the tool brings back):
 #   env.txt          the device, driver, python, jax and jaxlib it ran with
+#   flops.json       XLA's FLOP counts of a matmul, a scanned loop and a client against
+#                    counts by hand (experiments/flops_probe.py: does the FLOP meter's
+#                    assumption hold on this backend?)
 #   kernels_small.json, kernels.json
 #                    kernels.vocab_topk against XLA's materialise-and-top_k at 512 and
 #                    8192 rows x 768 x 50257, k = 32 (experiments/bench_kernels.py; each
@@ -28,7 +31,7 @@
 #                    included
 # Sizes can be lowered for a dry run on CPU: DOCS, KERNEL_ROWS, TORCH_DOCS, PRECISION_DOCS,
 # PRECISIONS (float32 alone on CPU, which has no TF32 or bf16 matmul precision). The step
-# limits add up to 555 s: call the tool with timeout_s=600.
+# limits add up to 570 s: call the tool with timeout_s=600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,15 +81,16 @@ run() {
   cat "$OUT/env.txt"
   local docs=${DOCS:-256} torch_docs=${TORCH_DOCS:-32} rows=${KERNEL_ROWS:-8192}
   step tests 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_vocab_topk.py
+  step flops 30 python3 -m experiments.flops_probe --out_json="$OUT/flops.json"
   # 512 rows first: the kernel's compile time and a timing even if the full size runs long.
   step kernels_small 60 python3 -m experiments.bench_kernels --device=auto --rows=512 \
     --out_json="$OUT/kernels_small.json"
   step kernels 120 python3 -m experiments.bench_kernels --device=auto --rows="$rows" \
     --out_json="$OUT/kernels.json"
-  step attacks 240 python3 -m experiments.bench_attacks --device=auto --batch="$docs" \
+  step attacks 230 python3 -m experiments.bench_attacks --device=auto --batch="$docs" \
     --torch_batch="$torch_docs" --torch_nocache_batch=0 --cold_start=false \
     --kernel_rows="$rows" --out_json="$OUT/attacks.json"
-  step precision 90 python3 -m experiments.bench_precision --model=gpt2_124m \
+  step precision 85 python3 -m experiments.bench_precision --model=gpt2_124m \
     --docs="${PRECISION_DOCS:-64}" --mode=runtime --precisions="${PRECISIONS:-float32,tensorfloat32,bfloat16}" \
     --out_json="$OUT/precision.json"
   ls -l "$OUT"
