@@ -123,6 +123,22 @@ def test_model_equals_the_charged_analytic_flops(arrays, name):
       charged(arrays, name, budget).flops_analytic, rel=1e-9)
 
 
+def test_a_platform_whose_xla_count_is_unchecked_is_charged_the_analytic_count(
+    arrays, monkeypatch):
+  """Where XLA's count was never checked against counts by hand (it left out an H200's
+  matmuls), the charge is the analytic count and says so; on CPU it is XLA's."""
+  family, params, h, g, calibration, _ = arrays
+  budget = registry.relevant_budget(BUDGET, ["activation"])
+  on_cpu = charged(arrays, "activation", budget)
+  assert Workspace(h, g, params, MODELS[family], K, calibration).platform == "cpu"
+  monkeypatch.setattr(workspace_lib, "XLA_COUNT_CHECKED", ())
+  ws = Workspace(h, g, params, MODELS[family], K, calibration)
+  charge = registry.execute("activation", ws, budget, jax.random.key(0))[1]
+  assert on_cpu.flops_source == "xla" and on_cpu.flops != on_cpu.flops_analytic
+  assert charge.flops_source == "analytic" and charge.flops == charge.flops_analytic
+  assert charge.flops_analytic == pytest.approx(on_cpu.flops_analytic, rel=1e-12)
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_xla_counts_at_least_the_matmul_floor(arrays, name):
   charge = charged(arrays, name, registry.relevant_budget(BUDGET, [name]))
