@@ -48,7 +48,7 @@ _EXECUTABLES: dict = {}
 runtime.register_executable_cache(_EXECUTABLES.clear)
 STATUS_ERROR_CHARS = 2000  # of an error message passed between processes
 # Platforms whose XLA FLOP count of a compiled executable was checked against counts by
-# hand (tests/test_attacks_flops.py, experiments/flops_probe.py). On an H200 it left out
+# hand (tests/test_attacks_flops.py, lla.attacks.xla_counts). On an H200 it left out
 # the matmuls (docs/kernels.md): elsewhere an attack is charged its analytic count.
 XLA_COUNT_CHECKED = ("cpu",)
 

@@ -1,13 +1,14 @@
-"""experiments/flops_probe.py on CPU: XLA's counts against counts by hand."""
+"""lla.attacks.xla_counts (experiments/flops_probe.py) on CPU: XLA's counts against counts
+by hand."""
 
 import pytest
 
-from experiments import flops_probe
+from lla.attacks import xla_counts
 
 
 def test_cpu_counts_match_the_hand_counts():
   n, trips, n_embd, cut, docs, seq_len = 64, 4, 64, 1, 2, 8
-  pieces = flops_probe.probe(n, trips, n_embd, cut, docs, seq_len)
+  pieces = xla_counts.probe(n, trips, n_embd, cut, docs, seq_len)
   assert pieces["matmul"]["by_hand"] == 2 * 64**3
   assert pieces["scan"]["by_hand"] == 2 * 64**3 * 4
   for way in ("lowered", "compiled"):  # on CPU the two agree
