@@ -6,8 +6,9 @@ calibration tokens, the budget of its protocol tuple and its seed. PROTOCOL sect
 the same capture, E and seeds give identical predictions, on the same software stack and
 device kind: every difference between a record's provenance (lla.provenance) and this
 process's, and between the attack revision that made it and the registered one
-(AttackSpec.revision), is named beside the verdict. Records made outside replay (modules that run in
-their own driver, such as the decoy-row experiment) are listed as not regenerated here.
+(AttackSpec.revision), is named beside the verdict. Records made outside replay (modules
+that run in their own driver, such as the decoy-row experiment) are listed as not
+regenerated here.
 """
 
 from __future__ import annotations
