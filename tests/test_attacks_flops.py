@@ -126,17 +126,24 @@ def test_model_equals_the_charged_analytic_flops(arrays, name):
 def test_a_platform_whose_xla_count_is_unchecked_is_charged_the_analytic_count(
     arrays, monkeypatch):
   """Where XLA's count was never checked against counts by hand (it left out an H200's
-  matmuls), the charge is the analytic count and says so; on CPU it is XLA's."""
+  matmuls), the charge is the analytic count and says so, and no shared stage it computed
+  on the device shows an XLA count either; on CPU both are XLA's."""
   family, params, h, g, calibration, _ = arrays
-  budget = registry.relevant_budget(BUDGET, ["activation"])
-  on_cpu = charged(arrays, "activation", budget)
+  budget = registry.relevant_budget(BUDGET, ["joint"])
+  on_cpu = charged(arrays, "joint", budget)
   assert Workspace(h, g, params, MODELS[family], K, calibration).platform == "cpu"
   monkeypatch.setattr(workspace_lib, "XLA_COUNT_CHECKED", ())
   ws = Workspace(h, g, params, MODELS[family], K, calibration)
-  charge = registry.execute("activation", ws, budget, jax.random.key(0))[1]
+  charge = registry.execute("joint", ws, budget, jax.random.key(0))[1]
   assert on_cpu.flops_source == "xla" and on_cpu.flops != on_cpu.flops_analytic
   assert charge.flops_source == "analytic" and charge.flops == charge.flops_analytic
   assert charge.flops_analytic == pytest.approx(on_cpu.flops_analytic, rel=1e-12)
+  assert on_cpu.stages and set(charge.stages) == set(on_cpu.stages)
+  assert all(stage["flops"] is not None for stage in on_cpu.stages.values())
+  # `ridge` is the float64 solve on the host, counted by hand on every platform.
+  device_stages = set(charge.stages) - {"ridge"}
+  assert device_stages and all(charge.stages[s]["flops"] is None for s in device_stages)
+  assert charge.stages["ridge"]["flops"] == on_cpu.stages["ridge"]["flops"]
 
 
 @pytest.mark.parametrize("name", EXACT)

@@ -123,7 +123,7 @@ class Tally:
   """What one scope (an attack's own work, or one shared stage) executed."""
 
   xla_flops: float = 0.0
-  missing_xla: bool = False      # an executable without a cost analysis ran
+  missing_xla: bool = False      # an executable ran without a cost analysis we trust
   analytic_flops: float = 0.0
   compile_s: float = 0.0
   wall_s: float = 0.0
@@ -133,7 +133,7 @@ class Tally:
 
 @dataclasses.dataclass(frozen=True)
 class StageCost:
-  flops: float | None            # XLA's count; None if part of it ran without one
+  flops: float | None            # XLA's count; None if part of it ran without a trusted one
   analytic: float
   wall_s: float
   compile_s: float
@@ -319,7 +319,9 @@ class Workspace:
     executable, dynamic, flops, compile_s = compiled(jitted, *args, **kwargs)
     scope = self._scopes[-1]
     scope.compile_s += compile_s
-    if flops is None:
+    # An unchecked platform's count is no count: the attack's charge and every stage it
+    # computes say so, rather than a stage entry showing a number its charge did not use.
+    if flops is None or self.platform not in XLA_COUNT_CHECKED:
       scope.missing_xla = True
     else:
       scope.xla_flops += flops * trips
@@ -433,8 +435,7 @@ class Workspace:
     own = self._scopes[0]
     stages = {s: self.costs[s] for s in sorted(self._used)}
     analytic = own_analytic + sum(c.analytic for c in stages.values())
-    exact = (self.platform in XLA_COUNT_CHECKED and not own.missing_xla
-             and all(c.flops is not None for c in stages.values()))
+    exact = not own.missing_xla and all(c.flops is not None for c in stages.values())
     flops = own.xla_flops + sum(c.flops for c in stages.values()) if exact else analytic
     own_wall = time.perf_counter() - own.start - own.nested_wall_s
     return Charge(flops=float(flops), flops_source="xla" if exact else "analytic",
