@@ -270,6 +270,28 @@ def test_mixup_adaptive_recovers_the_texts(case, undefended, m):
   assert result.details["first_row_residual_median"] < 1e-5  # exact pursuit at t = 0
 
 
+def test_mixup_adaptive_splits_documents_that_share_a_prefix_where_they_part(case):
+  """Documents 0 and 1 share their first three tokens, and each sits in two rows with other
+  partners: the slots of that first token split into two documents in three ways, all of
+  which unmix the same rows until position 3. The split must be decided where the
+  documents part (with every token a candidate, the rows of the right split are decoded
+  exactly); the one listed first (slots of rows 0 and 1 together) is a wrong one."""
+  params, cal, truth, _ = case
+  docs = truth[:4].copy()
+  docs[1, :3] = docs[0, :3]
+  assert len({*docs[:, 0]}) == 3 and (docs[0, 3:] != docs[1, 3:]).all()
+  h = np.asarray(split.client(params, CFG, jnp.asarray(docs), K), np.float64)
+  partners = np.array([[0, 2], [1, 3], [2, 0], [3, 1]])
+  lam = np.array([[0.7, 0.3], [0.65, 0.35], [0.6, 0.4], [0.75, 0.25]])
+  mixed = np.einsum("bj,bjtd->btd", lam, h[partners]).astype(np.float32)
+  ws = workspace(case, mixed, {"name": "mixup", "params": {"m": 2, "alpha": 1.0}})
+  result, _ = registry.execute("mixup_adaptive", ws,
+                               budget(mixup_candidates=CFG.vocab_size), jax.random.key(0))
+  assert result.details["rows_unmixed"] == 4 and result.details["ambiguous_first_tokens"] == 1
+  assert result.details["splits_decided_by_decoding"] == 1
+  np.testing.assert_array_equal(result.predictions, docs[partners[:, 0]])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,params,floor", [
     ("quantize", {"bits": 4}, 0.95),

@@ -39,27 +39,35 @@ def ridge_candidates(ws: Workspace, targets: np.ndarray, num: int) -> np.ndarray
 
 
 def beam_on(ws: Workspace, targets: np.ndarray, candidates: np.ndarray,
-            width: int) -> np.ndarray:
+            width: int) -> tuple[np.ndarray, np.ndarray]:
   """The activation-matching beam search of PROTOCOL section 4 on targets [B, T, d] instead
-  of the observed messages: predictions [B, T] int32."""
+  of the observed messages: (predictions [B, T] int32, the best beam's summed squared
+  distance to its target [B])."""
   search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
-                                    prefix=ws.known_prefix)[0]
-  out = ws.map_documents(search, (np.asarray(targets, np.float32),
-                                  np.asarray(candidates, np.int32)),
-                         beam_attacks.beam_bytes_per_doc(ws, width, candidates.shape[-1]))
-  return out.astype(np.int32)
+                                    prefix=ws.known_prefix)
+  predictions, scores = ws.map_documents(
+      search, (np.asarray(targets, np.float32), np.asarray(candidates, np.int32)),
+      beam_attacks.beam_bytes_per_doc(ws, width, candidates.shape[-1]))
+  return predictions.astype(np.int32), np.asarray(scores, np.float64)
+
+
+def undefended_search(ws: Workspace, targets: np.ndarray, num: int,
+                      width: int) -> tuple[np.ndarray, np.ndarray, float]:
+  """Ridge candidates then beam search on targets [B, T, d]: (predictions, the best beam's
+  summed squared distance [B], analytic FLOPs of the search and the ranking)."""
+  candidates = ridge_candidates(ws, targets, num)
+  predictions, scores = beam_on(ws, targets, candidates, width)
+  n = len(targets)
+  flops = (beam.analytic_flops(ws.cfg, ws.cut, n, width, num, ws.seq_len,
+                               len(ws.known_prefix))
+           + cand_lib.candidate_flops(n * ws.seq_len, ws.cfg.vocab_size, ws.cfg.n_embd))
+  return predictions, scores, flops
 
 
 def undefended_attack(ws: Workspace, targets: np.ndarray, num: int,
                       width: int) -> tuple[np.ndarray, float]:
-  """Ridge candidates then beam search on targets [B, T, d]: (predictions, analytic FLOPs
-  of the search and the ranking)."""
-  candidates = ridge_candidates(ws, targets, num)
-  predictions = beam_on(ws, targets, candidates, width)
-  positions = ws.num_docs * ws.seq_len
-  flops = (beam.analytic_flops(ws.cfg, ws.cut, ws.num_docs, width, num, ws.seq_len,
-                               len(ws.known_prefix))
-           + cand_lib.candidate_flops(positions, ws.cfg.vocab_size, ws.cfg.n_embd))
+  """`undefended_search` without the distances: (predictions, analytic FLOPs)."""
+  predictions, _, flops = undefended_search(ws, targets, num, width)
   return predictions, flops
 
 

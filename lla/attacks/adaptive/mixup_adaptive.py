@@ -24,7 +24,11 @@ client is causal. So (adaptive-attacks.md section 4):
   2. Unmixing. Within a capture batch every document sits in m slots (row, partner), so
      the slots sharing a first token are one document, or, where several documents share
      that token, are split among them (the split whose unmixed position-1 rows lie closest
-     to client rows of that token and a ridge candidate wins). With the documents known,
+     to client rows of that token and a ridge candidate wins; documents that share more
+     than their first token have the same unmixed rows there under every split, and the
+     splits tied there are decided by the undefended attack on each one's unmixed
+     documents, which are client rows at every position only for the right split). With
+     the documents known,
      Y_t = Lam H_t at every position with the same Lam [n, n] (the coefficients in the
      documents' columns): H = Lam^-1 Y are the documents' own client rows, which the
      undefended attack (ridge candidates, beam search of width 2) inverts.
@@ -44,6 +48,7 @@ client is causal. So (adaptive-attacks.md section 4):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +152,19 @@ def _with_each(table: np.ndarray, norms2: np.ndarray, fixed: list[int], y: np.nd
 
 
 _EXACT = 1e-5  # relative residual of a position-0 fit that is exact up to float rounding
+# Splits whose closeness (a sum of relative distances, one per document) is within this
+# per document of the best's tie: their rows at that position agree up to float rounding.
+_TIED = 1e-4
+
+
+class Unmixing(NamedTuple):
+  """Step 2a's result (`MixupAdaptive._unmix`)."""
+
+  unmixed: np.ndarray  # [B, T, d] float64 the documents' rows, NaN in unlinked batches
+  owner: np.ndarray    # [B] the document (index into unmixed) of each row's heaviest partner
+  ambiguous: int       # first tokens shared by several documents
+  decoded: int         # of those, splits that only the undefended attack could decide
+  flops: float         # analytic FLOPs of the split choices
 
 
 def pursuit(table: np.ndarray, norms2: np.ndarray, y: np.ndarray, m: int,
@@ -233,6 +251,9 @@ class MixupAdaptive:
       "mixup_adaptive", "beam_inversion", ("activations",),
       budget_fields=("ridge_alpha", "mixup_candidates", "mixup_rounds", "mixup_starts"),
       adapts_to=("mixup",), reference_attack="activation",
+      # 2: splits of a shared first token that tie at the next position (documents sharing
+      # more than one token) are decided by decoding; revision 1 let float rounding pick.
+      revision=2,
       description="position-0 simplex pursuit over the vocabulary's rows, documents linked "
       "across rows by their first tokens, the mixing inverted, then the undefended attack",
       reference="../shared/notes/adaptive-attacks.md section 4; Carlini et al. S&P'21 "
@@ -275,12 +296,16 @@ class MixupAdaptive:
     ws.count_host(starts_tried * (m + 2 * m * m) * vocab
                   * (2.0 * d * (m + 1) + 10.0 * (m + 1)**3))
     # Step 2a: per batch, unmix all positions at once where the rows' partners link up.
-    unmixed, owner, ambiguous = self._unmix(ws, budget, texts[:, :, first], lam, y)
+    unmixing = self._unmix(ws, budget, texts[:, :, first], lam, y)
+    unmixed, owner = unmixing.unmixed, unmixing.owner
+    analytic += unmixing.flops
     linked = ~np.isnan(unmixed[:, 0, 0])
     stats = {"m": m, "first_position": first,
              "first_row_residual_median": float(np.median(residual0)),
              "pursuit_starts_mean": starts_tried / ws.num_docs,
-             "rows_unmixed": int(linked.sum()), "ambiguous_first_tokens": ambiguous,
+             "rows_unmixed": int(linked.sum()),
+             "ambiguous_first_tokens": unmixing.ambiguous,
+             "splits_decided_by_decoding": unmixing.decoded,
              "coefficients_mean_max": float(lam.max(1).mean())}
     if linked.all():
       texts_of_docs, flops = adaptive.undefended_attack(
@@ -366,17 +391,15 @@ class MixupAdaptive:
   def _unmix(self, ws: Workspace, budget, first: np.ndarray, lam: np.ndarray, y: np.ndarray):
     """Step 2a. A document is the m slots (row, partner) holding it; within a capture batch
     the slots sharing a first token (first [B, m], the tokens at the first position after
-    the known prefix) are split into documents (where several documents share it, the
-    split whose unmixed rows at the next position are closest to client rows wins).
-    Then Y_t = Lam H_t for every t: H = Lam^-1 Y.
+    the known prefix) are split into documents (where several documents share it,
+    `_split` chooses). Then Y_t = Lam H_t for every t: H = Lam^-1 Y.
 
-    Returns (unmixed [B, T, d] float64, NaN in batches that do not link; owner [B] the
-    document (index into the unmixed rows) of each row's heaviest partner; the number of
-    first tokens shared by several documents)."""
+    Returns an `Unmixing`."""
     m = first.shape[1]
     unmixed = np.full(y.shape, np.nan)
     owner = np.arange(ws.num_docs)
-    ambiguous = 0
+    ambiguous = decoded = 0
+    flops = 0.0
     for rows in batches_of(ws.batch_docs):
       slots: dict[int, list] = {}
       for b in rows:
@@ -389,9 +412,10 @@ class MixupAdaptive:
       chosen = {v: o[0] for v, o in options.items()}
       for v, opts in options.items():
         if len(opts) > 1:
-          chosen[v] = opts[int(np.argmin([
-              self._closeness(ws, budget, {**chosen, v: opt}, rows, lam, y, v)
-              for opt in opts]))]
+          chosen[v], by_decoding, split_flops = self._split(ws, budget, chosen, v, opts,
+                                                             rows, lam, y)
+          decoded += by_decoding
+          flops += split_flops
       docs = [g for v in sorted(chosen) for g in chosen[v]]
       mixing = self._mixing(docs, rows, lam)
       solved = np.linalg.solve(mixing, y[rows].reshape(len(rows), -1))
@@ -400,7 +424,42 @@ class MixupAdaptive:
       for i, b in enumerate(rows):
         heaviest = (int(b), int(np.argmax(lam[b])))
         owner[b] = rows[next(n for n, g in enumerate(docs) if heaviest in g)]
-    return unmixed, owner, ambiguous
+    return Unmixing(unmixed, owner, ambiguous, decoded, flops)
+
+  def _split(self, ws: Workspace, budget, chosen, token: int, options, rows, lam, y):
+    """Step 2a's choice among the splits (`options`) of the slots sharing first token
+    `token`: the one whose unmixed rows at the next position are closest to client rows
+    (`_closeness`). Documents that share more than their first token have the same rows
+    there under every split (any split unmixes rows that agree into the same rows), and
+    the closeness ties up to float rounding, which would then pick the split: the tied
+    splits are decided by the undefended attack on each one's unmixed documents, whose
+    rows are client rows at every position only for the right split (`_decoded_residual`).
+
+    Returns (the split, whether decoding decided it, analytic FLOPs)."""
+    near, flops = zip(*(self._closeness(ws, budget, {**chosen, token: option}, rows, lam, y,
+                                        token) for option in options))
+    near, flops = np.asarray(near), sum(flops)
+    tied = np.flatnonzero(near <= near.min() + _TIED * len(options[0]))
+    if len(tied) == 1:
+      return options[int(tied[0])], False, flops
+    residual, decode_flops = zip(*(self._decoded_residual(
+        ws, budget, {**chosen, token: options[i]}, rows, lam, y, token) for i in tied))
+    return options[int(tied[int(np.argmin(residual))])], True, flops + sum(decode_flops)
+
+  def _decoded_residual(self, ws: Workspace, budget, chosen, rows, lam, y,
+                        token: int) -> tuple[float, float]:
+    """The undefended attack (ridge candidates, beam width 2) on the unmixed rows of the
+    documents whose first token is `token` in the split `chosen`: (the sum over those
+    documents of the best beam's squared distance over their squared norm, its analytic
+    FLOPs)."""
+    docs = [g for v in sorted(chosen) for g in chosen[v]]
+    solved = np.linalg.solve(self._mixing(docs, rows, lam), y[rows].reshape(len(rows), -1))
+    ws.count_host(2.0 * len(rows) ** 2 * y[0].size + len(rows) ** 3)
+    mine = [n for n, g in enumerate(docs) if first_token_of(g, chosen) == token]
+    targets = solved.reshape(len(rows), *y.shape[1:])[mine]
+    num = min(int(budget.mixup_candidates), ws.cfg.vocab_size)
+    _, distances, flops = adaptive.undefended_search(ws, targets.astype(np.float32), num, 2)
+    return float(np.sum(distances / np.sum(targets**2, axis=(1, 2)))), flops
 
   def _mixing(self, docs, rows, lam) -> np.ndarray:
     """Lam [n, n]: row i of the batch takes lam[b, j] of document g for its slot (b, j)."""
@@ -411,10 +470,12 @@ class MixupAdaptive:
         mixing[index[b], g] += lam[b, j]
     return mixing
 
-  def _closeness(self, ws: Workspace, budget, chosen, rows, lam, y, token: int) -> float:
+  def _closeness(self, ws: Workspace, budget, chosen, rows, lam, y,
+                 token: int) -> tuple[float, float]:
     """How far the unmixed rows at position p + 1 (p the first position after the known
     prefix) of the documents whose token p is `token` are from the client's rows of
-    (prefix, token, c) for their ridge candidates c (relative)."""
+    (prefix, token, c) for their ridge candidates c: (the sum over those documents of the
+    nearest candidate's distance over the row's norm, analytic FLOPs)."""
     first = len(ws.known_prefix)
     docs = [g for v in sorted(chosen) for g in chosen[v]]
     mixing = self._mixing(docs, rows, lam)
@@ -432,7 +493,10 @@ class MixupAdaptive:
     candidate_rows, _ = ws.call(partner_rows, ws.params, jnp.int32(first + 1), cache,
                                 proposals[:, None], cfg=ws.cfg)
     err = np.linalg.norm(np.asarray(candidate_rows)[:, 0] - targets[:, None], axis=-1)
-    return float(np.sum(err.min(-1) / np.linalg.norm(targets, axis=-1)))
+    per_token = ws.cut * cost.token_block_flops(ws.cfg, ws.seq_len)
+    flops = (cand_lib.candidate_flops(len(mine), ws.cfg.vocab_size, ws.cfg.n_embd)
+             + len(mine) * (first + 1 + num) * per_token)
+    return float(np.sum(err.min(-1) / np.linalg.norm(targets, axis=-1))), flops
 
   def _bytes(self, ws: Workspace, m: int, num: int) -> float:
     d, kv, k, t = ws.cfg.n_embd, cost.kv_width(ws.cfg), ws.cut, ws.seq_len
