@@ -4,9 +4,10 @@ The main job's mixup captures come from a model fine-tuned with mixup in the loo
 binary isolates the attack: the base model's client rows of the evaluation passages at one
 cut, mixed as `lla.defenses.SecretMixup` mixes them within capture batches, under explicit
 secrets, then `mixup_adaptive` with the attacker holding the same weights ("public"
-knowledge). Per secret it prints the rows linked by first token and by decoded text, and
-the token recovery against each row's own document and against its heaviest partner (the
-most attribution can give without the secret partners).
+knowledge). Per secret it prints the rows it unmixed (linked across rows by their first
+tokens), the first tokens several documents share, and the token recovery against each
+row's own document and against its heaviest partner (the most attribution can give
+without the secret partners).
 
   LLA_DATA_DIR=../shared/data python -m experiments.mixup_linking \
       --config=configs/main_table.py:cpu_smollm2 --docs=48 --secrets=0,1,2 \
@@ -76,10 +77,9 @@ def main(argv):
     own = float(np.mean(result.predictions[:, scored] == tokens[:, scored]))
     heaviest = float(np.mean(result.predictions[:, scored] ==
                              tokens[np.concatenate(owners)][:, scored]))
-    # Revision 1 recorded neither splits decided by decoding nor rows linked by text.
+    # Revision 1 did not record the splits decided by decoding.
     details = {k: result.details.get(k) for k in (
-        "rows_unmixed", "rows_linked_by_text", "ambiguous_first_tokens",
-        "splits_decided_by_decoding")}
+        "rows_unmixed", "ambiguous_first_tokens", "splits_decided_by_decoding")}
     runs.append({"secret": seed, "own_document": own, "heaviest_partner": heaviest,
                  "wall_s": wall, **details})
     print(f"secret {seed}: {details}; tokens of the row's own document {100 * own:.2f}%, "

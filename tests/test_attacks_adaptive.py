@@ -292,50 +292,6 @@ def test_mixup_adaptive_splits_documents_that_share_a_prefix_where_they_part(cas
   np.testing.assert_array_equal(result.predictions, docs[partners[:, 0]])
 
 
-def test_mixup_adaptive_links_by_text_where_first_tokens_cannot(case):
-  """Five of ten documents share their first token (and only it), none two of them in one
-  row: their ten slots split into documents in 945 ways, more than `groupings` enumerates,
-  so the batch does not link by first token. Decoded row by row, each slot's text still
-  says which document it holds: the batch is linked by those texts, unmixed, and every
-  row's heaviest partner's text is recovered exactly (every token a candidate)."""
-  from lla.attacks.adaptive import mixup_adaptive
-  params, _, _, _ = case
-  docs = np.random.default_rng(9).integers(0, CFG.vocab_size, (10, T)).astype(np.int32)
-  docs[:5, 0] = docs[0, 0]
-  assert len({*docs[5:, 0]} | {docs[0, 0]}) == 6 and len({*docs[:5, 1]}) == 5
-  h = np.asarray(split.client(params, CFG, jnp.asarray(docs), K), np.float64)
-  # Documents 0-4 are mixed only with documents 5-9, each document in two rows.
-  partners = np.array([[b, 5 + b] for b in range(5)] + [[5 + b, (b + 1) % 5] for b in range(5)])
-  lam = np.random.default_rng(10).uniform(0.55, 0.8, 10)
-  lam = np.stack([lam, 1 - lam], 1)
-  mixed = np.einsum("bj,bjtd->btd", lam, h[partners]).astype(np.float32)
-  slots = [(b, j) for b in range(10) for j in range(2) if partners[b, j] < 5]
-  assert mixup_adaptive.groupings(slots, 2) is None  # 945 splits: over the limit
-  ws = workspace(case, mixed, {"name": "mixup", "params": {"m": 2, "alpha": 1.0}})
-  result, _ = registry.execute("mixup_adaptive", ws,
-                               budget(mixup_candidates=CFG.vocab_size), jax.random.key(0))
-  assert result.details["rows_linked_by_text"] == 10
-  assert result.details["rows_unmixed"] == 10
-  np.testing.assert_array_equal(result.predictions, docs[partners[:, 0]])
-
-
-def test_group_by_text_pairs_the_slots_whose_texts_agree():
-  from lla.attacks.adaptive import mixup_adaptive
-  # Rows 0-3 of a batch (row indices 4-7 of the capture), m = 2: document A in slots
-  # (4, 0) and (6, 1), B in (4, 1) and (7, 0), C in (5, 0) and (7, 1), D in (5, 1) and
-  # (6, 0); each slot's text off by one token, never the same one twice.
-  a, b, c, d = (np.full(6, v) for v in (1, 2, 3, 4))
-  off = lambda text, i: np.where(np.arange(6) == i, 9, text)
-  texts = np.array([[off(a, 0), off(b, 1)], [off(c, 2), off(d, 3)],
-                    [off(d, 4), off(a, 5)], [off(b, 2), off(c, 4)]])
-  groups = mixup_adaptive.group_by_text(texts, np.arange(4, 8))
-  assert sorted(groups) == [[(4, 0), (6, 1)], [(4, 1), (7, 0)], [(5, 0), (7, 1)],
-                            [(5, 1), (6, 0)]]
-  # Rows 0 and 1 hold the same two texts and pair up first: row 2's slots are left to each
-  # other, one row, and the greedy split ends short.
-  assert mixup_adaptive.group_by_text(np.array([[a, b], [a, b], [c, d]]), np.arange(3)) is None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,params,floor", [
     ("quantize", {"bits": 4}, 0.95),

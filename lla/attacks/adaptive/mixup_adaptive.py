@@ -38,10 +38,7 @@ client is causal. So (adaptive-attacks.md section 4):
      (y_t - sum_{i != j} lam_i a_i) / lam_j (the decoder is affine and the weights sum to
      one), every proposal runs through the KV-cached client from that prefix, and
      coordinate descent over partners picks the tokens whose mixture is closest to y_t;
-     `mixup_rounds` rounds refresh the shares and proposals. Such a batch is then linked
-     by those texts (the slots whose decoded texts agree most are one document), the
-     mixing inverted and the undefended attack run, kept where its documents reproduce
-     the messages more closely than the per-row texts.
+     `mixup_rounds` rounds refresh the shares and proposals.
   3. Attribution. lla scores per document, and a row holds m texts with exchangeable
      coefficients: nothing in the messages says which is the row's own. The row's
      prediction is its heaviest partner's text, right for about 1/m of the rows, the most
@@ -242,33 +239,6 @@ def groupings(slots: list[tuple[int, int]], m: int, limit: int = 64):
   return out if 0 < len(out) <= limit else None
 
 
-def group_by_text(texts: np.ndarray, rows: np.ndarray) -> list[list[tuple[int, int]]] | None:
-  """One batch's slots (row, partner) grouped into documents by their decoded texts
-  texts [n, m, T] (rows [n] the batch's row indices): m slots of distinct rows each, pairs
-  of slots joined greedily, the pair whose texts agree at the most positions first (ties
-  in slot order). None if some group stays short of m slots."""
-  n, m, _ = texts.shape
-  flat = texts.reshape(n * m, -1)
-  agree = (flat[:, None] == flat[None]).sum(-1)
-  row_of = np.repeat(np.arange(n), m)
-  members = {s: [s] for s in range(n * m)}
-  group_of = list(range(n * m))
-  pairs = sorted((-int(agree[a, b]), a, b) for a in range(n * m) for b in range(a + 1, n * m)
-                 if row_of[a] != row_of[b])
-  for _, a, b in pairs:
-    ga, gb = group_of[a], group_of[b]
-    if ga == gb or len(members[ga]) + len(members[gb]) > m:
-      continue
-    if {row_of[s] for s in members[ga]} & {row_of[s] for s in members[gb]}:
-      continue
-    for s in members.pop(gb):
-      members[ga].append(s)
-      group_of[s] = ga
-  if any(len(g) != m for g in members.values()):
-    return None
-  return [[(int(rows[s // m]), s % m) for s in sorted(g)] for g in members.values()]
-
-
 def _combinations(items, r):
   import itertools  # pylint: disable=g-import-not-at-top
   return itertools.combinations(items, r)
@@ -282,8 +252,7 @@ class MixupAdaptive:
       budget_fields=("ridge_alpha", "mixup_candidates", "mixup_rounds", "mixup_starts"),
       adapts_to=("mixup",), reference_attack="activation",
       # 2: splits of a shared first token that tie at the next position (documents sharing
-      # more than one token) are decided by decoding, where revision 1 let float rounding
-      # pick; batches that do not link by first token are linked by their decoded texts.
+      # more than one token) are decided by decoding; revision 1 let float rounding pick.
       revision=2,
       description="position-0 simplex pursuit over the vocabulary's rows, documents linked "
       "across rows by their first tokens, the mixing inverted, then the undefended attack",
@@ -336,7 +305,7 @@ class MixupAdaptive:
              "pursuit_starts_mean": starts_tried / ws.num_docs,
              "rows_unmixed": int(linked.sum()),
              "ambiguous_first_tokens": unmixing.ambiguous,
-             "splits_decided_by_decoding": unmixing.decoded, "rows_linked_by_text": 0,
+             "splits_decided_by_decoding": unmixing.decoded,
              "coefficients_mean_max": float(lam.max(1).mean())}
     if linked.all():
       texts_of_docs, flops = adaptive.undefended_attack(
@@ -393,54 +362,8 @@ class MixupAdaptive:
           ws, filled, int(budget.mixup_candidates), 2)
       analytic += flops
       predictions = np.where(linked[owner][:, None], texts_of_docs[owner], predictions)
-    # Step 2c: batches that did not link by first token, linked by step 2b's texts.
-    by_text = 0
-    for rows in batches_of(ws.batch_docs):
-      if linked[rows[0]]:
-        continue
-      relinked, flops = self._link_by_text(ws, budget, texts, lam, y, rows)
-      analytic += flops
-      if relinked is not None:
-        predictions[rows] = relinked
-        by_text += len(rows)
-    stats["rows_unmixed"] += by_text
-    stats["rows_linked_by_text"] = by_text
     return registry.AttackResult(predictions.astype(np.int32), analytic, {
         **stats, "mixture_residual_median_by_position": residuals})
-
-  def _link_by_text(self, ws: Workspace, budget, texts: np.ndarray, lam: np.ndarray,
-                    y: np.ndarray, rows: np.ndarray):
-    """Step 2c on one capture batch whose slots did not link by first token (more splits
-    than `groupings` enumerates, or a pursuit that put one token in two slots): the slots
-    grouped into documents by the texts step 2b decoded for them (`group_by_text`), the
-    mixing inverted for those documents and the undefended attack run on them. Kept only
-    where the decoded documents, mixed with the rows' coefficients, reproduce the batch's
-    messages more closely than step 2b's texts do.
-
-    Returns (the rows' predictions [n, T] (each row's heaviest partner's document) or
-    None, analytic FLOPs)."""
-    n, (m, seq_len) = len(rows), texts.shape[1:]
-    docs = group_by_text(texts[rows], rows)
-    if docs is None:
-      return None, 0.0
-    mixing = self._mixing(docs, rows, lam)
-    try:
-      unmixed = np.linalg.solve(mixing, y[rows].reshape(n, -1)).reshape(y[rows].shape)
-    except np.linalg.LinAlgError:
-      return None, 0.0
-    ws.count_host(2.0 * n ** 2 * y[0].size + n ** 3)
-    num = min(int(budget.mixup_candidates), ws.cfg.vocab_size)
-    doc_texts, _, flops = adaptive.undefended_search(ws, unmixed.astype(np.float32), num, 2)
-    remixed = np.einsum("ng,gtd->ntd", mixing, adaptive.client_rows(ws, doc_texts))
-    slot_rows = adaptive.client_rows(ws, texts[rows].reshape(n * m, seq_len))
-    slot_mixture = np.einsum("nj,njtd->ntd", lam[rows], slot_rows.reshape(n, m, seq_len, -1))
-    flops += adaptive.client_flops(ws, n * (1 + m) * seq_len)
-    error = lambda rebuilt: float(np.sum((rebuilt - y[rows]) ** 2))
-    if error(remixed) >= error(slot_mixture):
-      return None, flops
-    heaviest = [(int(b), int(np.argmax(lam[b]))) for b in rows]
-    owner = [next(g for g, slots in enumerate(docs) if slot in slots) for slot in heaviest]
-    return doc_texts[owner], flops
 
   def _dictionary(self, ws: Workspace) -> np.ndarray:
     """[V, d] every token's client row at the first position after the known prefix."""
