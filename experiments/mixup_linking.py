@@ -10,7 +10,7 @@ row's own document and against its heaviest partner (the most attribution can gi
 without the secret partners).
 
   LLA_DATA_DIR=../shared/data python -m experiments.mixup_linking \
-      --config=configs/main_table.py:cpu_smollm2 --docs=48 --secrets=0,1,2 \
+      --config=configs/main_table.py:cpu_smollm2 --docs=48 --secrets=0 --secrets=1 --secrets=2 \
       --out_json=/tmp/mixup_linking.json
 """
 
@@ -23,19 +23,22 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
 from lla import data, defenses, runtime
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
-from lla.model import split
+from lla.model import gguf_io, split
 from lla.model.loading import load_model
 from lla.train import models
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu_smollm2",
                                           "Main-table config: the model, data and budget.")
-_DOCS = flags.DEFINE_integer("docs", 48, "Evaluation passages mixed and attacked.")
-_CUT = flags.DEFINE_integer("cut", 6, "Client layers k.")
-_M = flags.DEFINE_integer("m", 2, "Documents per mixed row.")
-_SECRETS = flags.DEFINE_list("secrets", ["0", "1", "2"], "Explicit secret seeds, one run each.")
+_DOCS = flags.DEFINE_integer("docs", 48, "Evaluation passages mixed and attacked.",
+                             lower_bound=1)
+_CUT = flags.DEFINE_integer("cut", 6, "Client layers k.", lower_bound=1)
+_M = flags.DEFINE_integer("m", 2, "Documents per mixed row.", lower_bound=1)
+_SECRETS = flags.DEFINE_multi_integer("secrets", [0, 1, 2],
+                                      "Explicit secret seeds, one run each.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Write the figures here as JSON.")
 
 
@@ -43,11 +46,15 @@ def main(argv):
   del argv
   runtime.configure()
   config = _CONFIG.value
-  model = load_model(config.model)
-  splits = data.load_splits(**{**config.data.to_dict(), "n_eval": _DOCS.value},
-                            tokenizer=models.tokenizer(config.model))
-  tokens = np.asarray(splits.evaluation.tokens)
   batch = int(config.capture_batch_size)
+  if _M.value > min(batch, _DOCS.value - (_DOCS.value - 1) // batch * batch):
+    raise SystemExit(f"error: --m={_M.value}: every capture batch needs at least m documents "
+                     f"(--docs={_DOCS.value} in batches of {batch})")
+  with cli.one_line_errors(gguf_io.GGUFError, FileNotFoundError):
+    model = load_model(config.model)
+    splits = data.load_splits(**{**config.data.to_dict(), "n_eval": _DOCS.value},
+                              tokenizer=models.tokenizer(config.model))
+  tokens = np.asarray(splits.evaluation.tokens)
   h = np.concatenate([np.asarray(split.client(model.params, model.cfg,
                                               jnp.asarray(tokens[i:i + batch]), _CUT.value))
                       for i in range(0, len(tokens), batch)])
@@ -58,7 +65,7 @@ def main(argv):
   print(f"revision {registry.get('mixup_adaptive').spec.revision}; {len(tokens)} documents in "
         f"batches of {batch}, k = {_CUT.value}, m = {_M.value}")
   runs = []
-  for seed in map(int, _SECRETS.value):
+  for seed in _SECRETS.value:
     secret = defenses.Secret.explicit(seed)
     mixed, owners = [], []
     for step, start in enumerate(range(0, len(tokens), batch)):

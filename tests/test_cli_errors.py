@@ -239,6 +239,14 @@ def test_main_job_refuses_more_phase_documents_than_it_draws(tmp_path):
     assert not workdir.exists()
 
 
+def test_mixup_linking_refuses_a_bad_mixture_and_a_missing_model_in_one_line():
+  line = _one_line(_run("mixup_linking", "--docs=40", "--m=9"), "m")
+  assert line == ("error: --m=9: every capture batch needs at least m documents (--docs=40 "
+                  "in batches of 32)"), line
+  line = _one_line(_run("mixup_linking", "--config.model.gguf=/nonexistent.gguf"), "gguf")
+  assert line == "error: /nonexistent.gguf: GGUF file does not exist", line
+
+
 def test_sweep_binary_refuses_a_bad_grid_before_writing(tmp_path):
   """An unknown cell id, attack or plugin: one line naming it, and no sweep directory."""
   workdir = tmp_path / "sweep"
