@@ -34,6 +34,7 @@ FAMILIES = [f for f in CONFIGS if f != "gpt2"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_split_training_and_fsha_decode(tmp_path, family):
   cfg = CONFIGS[family]
   setup = _setup(tmp_path, cfg, decoder.random_params(cfg, seed=3, std=0.05), STEPS)

@@ -155,6 +155,7 @@ def test_matrix_covers_registry():
       assert registry.supports_family(name, f), (name, f)
 
 
+@pytest.mark.slow
 def test_matrix_runs(family):
   name, root, attacker, tokens = family
   records = replay.replay(str(root / "run"), str(root / "cap"), attacker, RUNS,
@@ -174,6 +175,7 @@ def test_matrix_runs(family):
 # GPT-2's row is tests/test_attacks_adaptive.py (a larger vocabulary, each attack's own
 # invariants); here the families that differ from it.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"], indirect=True)
+@pytest.mark.slow
 def test_defended_matrix(family):
   name, root, attacker, tokens = family
   params, cfg = attacker.params, attacker.cfg

@@ -74,6 +74,7 @@ def _sha256(predictions) -> str:
   return hashlib.sha256(np.ascontiguousarray(predictions, np.int32).tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_cold_start_columns(bench):
   result = bench["json"]
   assert result["config"]["device"]["platform"] == "cpu"
@@ -110,6 +111,7 @@ def test_cold_start_columns(bench):
   assert "needs an accelerator" in bench["stdout"]
 
 
+@pytest.mark.slow
 def test_recovery_columns_equal_an_in_process_replay(bench, capture):
   rows = bench["json"]["lla"]["training"]
   registry.load_builtin()
@@ -137,6 +139,7 @@ def _cache_files(directory: Path) -> list[Path]:
   return sorted(p for p in directory.rglob("*") if p.is_file() and p.stat().st_size > 0)
 
 
+@pytest.mark.slow
 def test_cold_start_probe_fills_the_cache_on_disk(bench, capture, tmp_path):
   """The probe of the binary (--cold_probe) run here, twice, on a cache directory the
   test owns: the first process writes files; the second, compiling less, adds none."""

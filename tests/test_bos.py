@@ -126,6 +126,7 @@ def _drawn(texts, n, seed):
   return np.asarray([[BOS] + _ids(texts[i])[:T - 1] for i in chosen], np.int32)
 
 
+@pytest.mark.slow
 def test_every_attack_is_scored_after_the_bos(bos_run, data_dir):
   root, _, card = bos_run
   docs = _drawn(_paragraphs(data_dir, "test"), DOCS, SEED)
@@ -168,6 +169,7 @@ def bos_case(bos_run, data_dir):
   return model, truth, calibration, h
 
 
+@pytest.mark.slow
 def test_the_haar_projection_attack_after_a_bos(bos_case):
   model, truth, calibration, h = bos_case
   keys = defenses.Secret.explicit(0).keys("projection")
@@ -180,6 +182,7 @@ def test_the_haar_projection_attack_after_a_bos(bos_case):
   assert result.details["exact"], result.details
 
 
+@pytest.mark.slow
 def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_case):
   model, truth, calibration, h = bos_case
   mixed, lam, partners = defenses.make("mixup", m=2).mix(jnp.asarray(h), jax.random.key(11))
@@ -206,6 +209,7 @@ def test_mixup_adaptive_unmixes_from_the_first_position_after_the_bos(bos_case):
   assert result.details["first_row_residual_median"] < 1e-5
 
 
+@pytest.mark.slow
 def test_the_quantisation_likelihood_beam_and_tag_after_a_bos(bos_case):
   """The likelihood beam runs the BOS as its first step and inverts 4-bit quantisation
   exactly with every token a candidate; TAG (gradient matching, 3 steps here) takes the BOS
@@ -229,6 +233,7 @@ def test_the_quantisation_likelihood_beam_and_tag_after_a_bos(bos_case):
 
 
 
+@pytest.mark.slow
 def test_the_gaussian_projection_estimate_pairs_the_bos_row_once(bos_case):
   """The estimate route takes the BOS's row as every document's first row without a search:
   one (h, y) pair, the BOS's client row against the message every document shares there.
@@ -252,6 +257,7 @@ def test_the_gaussian_projection_estimate_pairs_the_bos_row_once(bos_case):
   assert (result.predictions[:, 0] == BOS).all()
 
 
+@pytest.mark.slow
 def test_forward_matching_holds_the_bos_at_its_embedding(bos_case):
   """EIA and BiSR(f) hold position 0 at the BOS's input embedding. From the true text with
   a wrong position 0 (token 7), the client reproduces h exactly when the BOS is known; the
@@ -277,6 +283,7 @@ def test_forward_matching_holds_the_bos_at_its_embedding(bos_case):
   assert (held < 1e-9 * total).all() and (moved > 1e-4 * total).all()
 
 
+@pytest.mark.slow
 def test_learned_and_chained_attacks_return_the_bos(bos_case):
   """SIP, EIA, BiSR(f), BiSR(b) and BiSR(b+f), a few steps each: position 0 is the BOS
   whatever their inverters or variables say there, and BiSR(b) says where it came from."""

@@ -76,6 +76,7 @@ def monkeypatch_module():
     yield mp
 
 
+@pytest.mark.slow
 def test_no_pretraining_and_the_report_names_the_file(job):
   config, path, work, report = job
   assert not (work / "pretrain").exists()
@@ -92,6 +93,7 @@ def test_no_pretraining_and_the_report_names_the_file(job):
           "base"]["source"] == f"gguf:{path}"
 
 
+@pytest.mark.slow
 def test_passages_are_the_models_own_tokens(job, data_dir):
   """Each evaluation document and calibration passage is the BOS, then a run of bytes of
   the WikiText-2 text of its split; the study pins the byte-level tokenizer."""
@@ -113,6 +115,7 @@ def test_passages_are_the_models_own_tokens(job, data_dir):
   assert pinned.get_vocab() == {symbol: i for i, symbol in enumerate(ALPHABET)}
 
 
+@pytest.mark.slow
 def test_public_capture_is_the_files_model(job):
   """Public knowledge freezes the client layers, so the target's h at k = 2 is the hidden
   state after 2 blocks of the model written to the file (transformers, float32); the
@@ -131,6 +134,7 @@ def test_public_capture_is_the_files_model(job):
   assert np.abs(trained - expected).max() / scale > 1e-3
 
 
+@pytest.mark.slow
 def test_trained_knowledge_attacker_reloads_the_file(job):
   """The trained-knowledge attacker holds the base, located as the GGUF file; regenerating
   every prediction (the attacker reloaded from the pinned locations) reproduces each."""
@@ -165,6 +169,7 @@ def _check_bos_captures(captures, data_dir) -> None:
       assert text_bytes(row[1:]) in text
 
 
+@pytest.mark.slow
 def test_the_frontier_cuts_its_documents_with_the_models_tokenizer(job, data_dir):
   """The FLOP-matched frontier's cells capture the file's model's documents (the BOS, then
   bytes of the test text: GPT-2's ids would overflow its 256-token vocabulary), record the
@@ -189,6 +194,7 @@ def test_the_frontier_cuts_its_documents_with_the_models_tokenizer(job, data_dir
       assert point.recovery == pytest.approx((pred[:, 1:] == truth[:, 1:]).mean())
 
 
+@pytest.mark.slow
 def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_path):
   _, _, work, report = job
   column = bridge.read(work)
@@ -208,6 +214,7 @@ def test_the_bridge_reads_the_sealed_study_and_refuses_a_tampered_copy(job, tmp_
     bridge.read(copy)
 
 
+@pytest.mark.slow
 def test_with_a_bos_no_attack_is_scored_there(job):
   """Every record is scored after the BOS; the paired difference the primary test
   bootstraps is, per model and document, the joint minus activation hits over positions
@@ -251,6 +258,7 @@ def test_paper_runs_the_decoy_split_on_its_own_base_directory():
     assert other.decoy.model.hf_dir == ""
 
 
+@pytest.mark.slow
 def test_the_active_tier_runs_on_the_files_model_and_its_bos(job, data_dir):
   """Every active-tier capture holds the file's model's documents (the BOS, then bytes of
   the test text), records the BOS as E's known prefix, and its records are scored after

@@ -24,6 +24,8 @@ import transformers
 from lla.evidence import rundir
 from test_model_gguf import write_gguf
 
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ALPHABET = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
 # GPT-2's byte -> symbol map (bytes_to_unicode): printable bytes map to themselves, the

@@ -29,6 +29,8 @@ from safetensors.numpy import load_file
 
 import scaleout_net
 
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 ATTACKS = "ridge,activation,gradient_only"
