@@ -64,8 +64,8 @@ import jax.extend.backend
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import compare as kernel_compare
-from kernels import vocab_topk
+from lla_kernels import compare as kernel_compare
+from lla_kernels import vocab_topk
 from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import candidates as cand_lib

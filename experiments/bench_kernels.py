@@ -26,8 +26,8 @@ import os
 from absl import app, flags
 import jax
 
-from kernels import vocab_topk
-from kernels.compare import agreement, compare, inputs, timed
+from lla_kernels import vocab_topk
+from lla_kernels.compare import agreement, compare, inputs, timed
 
 _DEVICE = flags.DEFINE_enum("device", "auto", ["auto", "cpu", "gpu", "tpu"],
                             "Where to run: auto = JAX's default backend.")

@@ -36,7 +36,7 @@ import numpy as np
 
 from configs import models
 from lla.train import models as models_lib
-from kernels import compare as kernel_compare
+from lla_kernels import compare as kernel_compare
 from lla import runtime
 from lla.attacks.seed import beam
 from lla.attacks import workspace

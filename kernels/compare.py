@@ -1,4 +1,4 @@
-"""Timing `kernels.vocab_topk` against its reference, shared by the benchmark binaries.
+"""Timing `lla_kernels.vocab_topk` against its reference, shared by the benchmark binaries.
 
 experiments/bench_kernels.py (the kernel alone, and its interpret-mode check on CPU) and
 experiments/bench_attacks.py (the kernel beside the attacks, on GPU and TPU) both run it:
@@ -20,7 +20,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from kernels import vocab_topk
+from lla_kernels import vocab_topk
 
 
 def inputs(device, rows: int, d: int, vocab: int, seed: int):

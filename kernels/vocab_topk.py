@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels import vocab_topk_reference as reference
+from lla_kernels import vocab_topk_reference as reference
 
 KINDS = reference.KINDS
 IMPLS = ("auto", "platform", "reference", "triton", "mosaic")

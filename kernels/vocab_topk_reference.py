@@ -1,4 +1,4 @@
-"""Pure-JAX reference for `kernels.vocab_topk`: materialise the scores, then `lax.top_k`.
+"""Pure-JAX reference for `lla_kernels.vocab_topk`: materialise the scores, then `lax.top_k`.
 
 This is what runs on CPU, and the definition the Pallas kernel is tested against. The
 scores are written exactly as the candidate rankings of lla.attacks.candidates always

@@ -127,7 +127,7 @@ def configure_matmul_precision(requested: str | None = None) -> str:
 
 def precision_record() -> dict:
   """What a run records of its arithmetic: the mode, JAX's setting, the backend."""
-  from kernels import vocab_topk  # the vocabulary scans read the same setting
+  from lla_kernels import vocab_topk  # the vocabulary scans read the same setting
 
   setting = jax.config.jax_default_matmul_precision
   return {"matmul_precision": vocab_topk.matmul_precision(setting),

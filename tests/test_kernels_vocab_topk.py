@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from kernels import vocab_topk
-from kernels import vocab_topk_reference as reference
+from lla_kernels import vocab_topk
+from lla_kernels import vocab_topk_reference as reference
 
 ROWS, D, VOCAB = 70, 64, 1000
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import vocab_topk
+from lla_kernels import vocab_topk
 from lla.attacks import ridge
 
 

@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import vocab_topk
+from lla_kernels import vocab_topk
 from lla.attacks.seed import beam
 from lla.attacks import budget as budget_lib
 from lla.attacks import flops
