@@ -109,3 +109,124 @@ def test_derived_levels_cover_every_run():
   for p in POINTS:
     assert any(frontier.isoflop.within(p.flops, level, TOL) for level in levels)
   assert frontier.derived_levels([point("z", 5e9, [1])], TOL) == (7.5e9,)
+
+
+# Within a budget at LEVELS x TOL = 1.5e9, 3e9, 6e9, 12e9, worked out from POINTS: each
+# attack's best run (highest recovery; ties: the cheaper) costing at most the budget.
+BUDGET_FLOPS = {"a": [1.1e9, 2.9e9, 4.2e9, 4.2e9], "b": [0.7e9, 2.1e9, 2.1e9, 2.1e9],
+                "c": [None, None, None, 8.5e9], "d": [None] * 4,
+                "e": [1.0e9] * 4, "g": [0.62e9, 0.62e9, 0.62e9, 11e9]}
+
+
+def test_budget_table_takes_the_best_run_under_each_budget():
+  table = frontier.budget_table(POINTS, LEVELS, TOL)
+  assert {a: [None if p is None else p.flops for p in runs] for a, runs in table.items()} \
+      == BUDGET_FLOPS
+  # The best, not the dearest: a dearer run that recovers less is passed over, at the bound
+  # (1.5 x 2e9 = 3e9 counts) and beyond it (3.1e9 does not).
+  runs = [point("h", 1e9, [1, 1]), point("h", 3e9, [0, 1]), point("h", 3.1e9, [1, 1])]
+  assert frontier.within_budget(runs, 2e9, TOL).flops == 1e9
+  assert frontier.within_budget(runs, 2.1e9, TOL).flops == 1e9  # tie at 100%: the cheaper
+  assert frontier.within_budget(runs, 0.6e9, TOL) is None
+
+
+def test_pairs_within_a_budget_pair_documents_and_say_who_spent_less():
+  rows = rows_by_pair(frontier.pairwise(POINTS, LEVELS, TOL, n_replicates=2000))
+  ab = rows[("a", "b")]
+  # 1e9, 2e9: the iso-level runs; 4e9: a's 4.2e9 ([1,1,1,1]) against b's 2.1e9
+  # ([0,1,1,0], spent less than 4e9 / 1.5): -50 pp; 8e9: both spent less, the same runs.
+  assert [(c["level"], c["a_flops"], c["b_flops"], c["spent"]) for c in ab["within_budget"]] \
+      == [(1e9, 1.1e9, 0.7e9, "both about L"), (2e9, 2.9e9, 2.1e9, "both about L"),
+          (4e9, 4.2e9, 2.1e9, "B spent less"), (8e9, 4.2e9, 2.1e9, "both spent less")]
+  assert [c["diff_pp"] for c in ab["within_budget"]] == pytest.approx([-25, -25, -50, -50])
+  assert all(c["kind"] == "within budget" and c["lo_pp"] <= c["diff_pp"] <= c["hi_pp"]
+             for c in ab["within_budget"])
+  assert all(c["kind"] == "iso-level" for c in ab["comparisons"])
+  # a and g share no level, yet compare within every budget: at 1e9 g's 0.62e9 [0,0,0,1]
+  # against a's 1.1e9 [1,0,1,0]; at 8e9 g's 11e9 [0,1,0,1] against a's 4.2e9 [1,1,1,1].
+  ag = rows[("a", "g")]
+  assert ag["comparisons"] == [] and "budget_note" not in ag
+  assert [(c["level"], c["spent"]) for c in ag["within_budget"]] == [
+      (1e9, "B spent less"), (2e9, "B spent less"), (4e9, "B spent less"),
+      (8e9, "A spent less")]
+  assert [c["diff_pp"] for c in ag["within_budget"]] == pytest.approx(
+      [100 * np.mean([-1, 0, -1, 1]), 100 * np.mean([-1, -1, -1, 1]),
+       100 * np.mean([-1, -1, -1, 0]), 100 * np.mean([-1, 0, -1, 0])])
+  # a and c: disjoint ranges, compared within the 8e9 budget only.
+  assert [(c["level"], c["spent"]) for c in rows[("a", "c")]["within_budget"]] == [
+      (8e9, "A spent less")]
+  # c and g: both about 8e9, the same runs as the iso-level comparison.
+  cg = rows[("c", "g")]
+  assert [c["diff_pp"] for c in cg["within_budget"]] == [cg["comparisons"][0]["diff_pp"]]
+  assert cg["within_budget"][0]["spent"] == "both about L"
+
+
+def test_every_pair_whose_cheapest_runs_fit_the_largest_budget_is_compared():
+  """The rule, checked against POINTS directly: a pair on the same documents is compared
+  within a budget exactly when both cheapest runs cost at most the largest level x TOL."""
+  rows = frontier.pairwise(POINTS, LEVELS, TOL, n_replicates=200)
+  cheapest, truth = {}, {}
+  for p in POINTS:
+    cheapest[p.attack] = min(cheapest.get(p.attack, np.inf), p.flops)
+    truth[p.attack] = p.truth_sha256
+  for row in rows:
+    a, b = row["a"], row["b"]
+    expected = (truth[a] == truth[b] and max(cheapest[a], cheapest[b]) <= 8e9 * TOL)
+    assert any("diff_pp" in c for c in row["within_budget"]) == expected, (a, b)
+  totals = frontier.summary(rows, LEVELS, TOL)
+  # Compared: a-b, a-c, a-g, b-c, b-g, c-g. Not: the five pairs with d (its floor, 40e9,
+  # above 12e9) and the four others with e (other documents).
+  assert (totals["compared"], totals["compared_within_budget"]) == (2, 6)
+  assert totals["share_within_budget"] == pytest.approx(6 / 15)
+  assert totals["not_compared"]["within budget"] == {"floor": 5, "different documents": 4}
+
+
+def test_pairs_not_compared_say_why():
+  rows = rows_by_pair(frontier.pairwise(POINTS, LEVELS, TOL, n_replicates=200))
+  floor = "d's floor (its cheapest run, 4e+10 FLOPs) lies above the largest level (8e+09 x 1.5)"
+  bd = rows[("b", "d")]
+  assert [r["kind"] for r in bd["reasons"]] == ["floor", "disjoint"]
+  assert bd["note"] == (floor + "; d's cheapest run (4e+10 FLOPs) costs 19x b's most "
+                        "expensive (2.1e+09)")
+  assert bd["budget_note"] == floor and bd["within_budget"] == []
+  assert rows[("a", "e")]["budget_note"] == "runs on different documents: not paired"
+  # Of the 13 pairs without an iso-level comparison: d's five (its floor, and disjoint
+  # ranges: every other attack's dearest run is below 4e10); a-c, b-c, c-e disjoint;
+  # a-e, b-e compared at 1e9 on other documents; a-g, b-g, e-g overlapping ranges without
+  # a common level.
+  totals = frontier.summary(list(rows.values()), LEVELS, TOL)
+  assert totals["not_compared"]["iso-level"] == {
+      "floor": 5, "disjoint": 8, "different documents": 2, "no common level": 3}
+  # A ceiling below the smallest level: y's dearest run, 0.6e9, is under 1e9 / 1.5. It has no
+  # level (and a's cheapest, 1.1e9, is dearer), but lies within every budget: compared with
+  # a within each of them.
+  y = [point("y", 0.3e9, [1, 1, 0, 0]), point("y", 0.6e9, [1, 1, 1, 0])]
+  row, = frontier.pairwise(POINTS[:3] + y, LEVELS, TOL, n_replicates=200)
+  assert [r["kind"] for r in row["reasons"]] == ["ceiling", "disjoint"]
+  assert row["reasons"][0] == {"kind": "ceiling", "attack": "y", "flops": 0.6e9, "note":
+                               "y's ceiling (its dearest run, 6e+08 FLOPs) lies below the "
+                               "smallest level (1e+09 / 1.5)"}
+  assert [c["b_flops"] for c in row["within_budget"]] == [0.6e9] * 4
+  assert "budget_note" not in row
+
+
+def test_markdown_shows_both_comparisons_labelled():
+  rows = frontier.pairwise(POINTS, LEVELS, TOL, n_replicates=200)
+  totals = frontier.summary(rows, LEVELS, TOL)
+  lines = frontier._markdown(POINTS, rows, set(), frontier.level_table(POINTS, LEVELS, TOL),
+                             LEVELS, totals, "f.png")
+  text = "\n".join(lines)
+  assert "2 of 15 pairs compared at a common level (13%); 6 of 15 within a budget (40%)" in text
+  assert "### Pairs within a budget" in text and "(iso-level)" in text
+  # Within a budget: levels at which two attacks have a run under the budget (all four).
+  assert "| family | attack | <= 1e+09 | <= 2e+09 | <= 4e+09 | <= 8e+09 |" in text
+  assert "| f_a | g | 25.0% | 25.0% | 25.0% | 50.0% |" in text
+  assert any(line.startswith("| a | b | -25.0 [") and "-50.0 [" in line and "(B<)" in line
+             and "(A<, B<)" in line for line in lines)
+  assert f"| f_d | d | 4e+10 | 4e+10 | 0 of 4 | d's floor" in text
+
+
+def test_figure_draws_both_panels(tmp_path):
+  path = tmp_path / "f.png"
+  frontier.figure(POINTS, str(path), LEVELS, TOL)
+  assert path.stat().st_size > 10_000
