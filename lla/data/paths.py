@@ -4,7 +4,8 @@ The data directory comes from an explicit argument (a config field such as
 `--config.data.data_dir`, or a flag) or, failing that, from the environment
 variable `LLA_DATA_DIR`. Nothing is guessed from the library's own location:
 a run must say where its data is, and a missing file fails loudly with every
-place that was tried.
+place that was tried and the two ways to provide it (an existing copy, or
+`python -m experiments.fetch_data`, lla/data/fetch.py).
 
 Expected layout of a data directory:
 
@@ -28,8 +29,9 @@ EXPECTED_LAYOUT = (
 
 _HOW_TO_PROVIDE = (
     f"Provide the data by setting {ENV_VAR}=/path/to/data or by passing "
-    "--config.data.data_dir=/path/to/data (data_dir= in Python). "
-    f"Expected layout under that directory: {EXPECTED_LAYOUT}."
+    "--config.data.data_dir=/path/to/data (data_dir= in Python), or get a copy with "
+    "`python -m experiments.fetch_data --out /path/to/data` (WikiText-2 and GPT-2's tokenizer "
+    f"from the Hugging Face hub, verified). Expected layout under that directory: {EXPECTED_LAYOUT}."
 )
 
 
