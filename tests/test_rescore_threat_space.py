@@ -68,11 +68,15 @@ def rescore(run, *flags, data_dir=None, plugins_dir=None):
                         env=env)
 
 
-def _specs(families: dict):
+def _specs(families: dict, revisions: dict | None = None):
+  """Each record at its attack's revision in `revisions` (default 1): a record of another
+  revision than the threat space lists counts as unmeasured."""
+  revisions = revisions or {}
   specs = []
   for m in range(3):
     specs.append(syn.Spec("activation", "beam_inversion", 28, m, jitter=1))
-    specs += [syn.Spec(name, family, 0, m, defense="projection")
+    specs += [syn.Spec(name, family, 0, m, defense="projection",
+                       attack_revision=revisions.get(name, 1))
               for name, family in sorted(families.items())]
   return specs
 
@@ -91,7 +95,9 @@ def study(tmp_path_factory, data_dir):
               if m["source"]["module"].startswith("lla.")}
   names = sorted(families)
   run = root / "run"
-  syn.make_run(str(run), str(root / "cap"), _specs({**families, "ghost_attack": "ghost_family"}),
+  revisions = {m["name"]: m["revision"] for m in registry.module_entries()}
+  syn.make_run(str(run), str(root / "cap"),
+               _specs({**families, "ghost_attack": "ghost_family"}, revisions),
                policy_lib.load_policy().sha256)
   proc = rescore(run, "--plugins=ghost_plugin", data_dir=data_dir, plugins_dir=plugins)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,12 +110,15 @@ def test_first_scoring_records_the_registry_and_pins_the_tokenizer(study, data_d
   recorded = threat_space.read(str(run))
   assert [m["name"] for m in recorded.modules] == sorted(names + ["ghost_attack"])
   by_name = {m["name"]: m for m in recorded.modules}
-  # Each entry's version is the sha256 of the file of the module that registered it.
+  # Each entry's version is the code identity of the module that registered it (its file
+  # and the lla modules it imports), computed here in another process.
   for name in names:
     source = by_name[name]["source"]
-    assert source["sha256"] == _sha256_of(importlib.util.find_spec(source["module"]).origin)
+    origin = importlib.util.find_spec(source["module"]).origin
+    assert source["sha256"] == registry.code_identity(origin) != _sha256_of(origin)
   assert by_name["ghost_attack"]["source"] == {
-      "module": "ghost_plugin", "sha256": _sha256_of(plugins / "ghost_plugin.py")}
+      "module": "ghost_plugin",
+      "sha256": registry.code_identity(str(plugins / "ghost_plugin.py"))}
   assert by_name["ghost_attack"]["observations"] == ["activations"]
   card = files.read_json(str(run / rundir.SCORECARD_JSON))
   assert card["inputs"]["modules_file"] == {"file": "inputs/threat_space.json",

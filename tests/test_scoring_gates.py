@@ -260,13 +260,20 @@ def test_fitting_follows_observations_knowledge_and_threat_model():
   modules = MODULES + [
       {"name": "control", "observations": ["activations"], "role": "negative_control"},
       {"name": "active", "observations": ["gradients"], "tier": "active"},
-      {"name": "aware", "observations": ["activations"], "defense_aware": True},
+      {"name": "aware", "observations": ["activations"], "defense_aware": True,
+       "defenses": {"mixup": "activations", "nopeek": "training",
+                    "projection": "activations"}},
+      {"name": "aware_unknown", "observations": ["activations"], "defense_aware": True},
       {"name": "trained_only", "observations": ["activations"], "knowledge": ["trained"]},
   ]
   names = lambda *a: sorted(m["name"] for m in gates.fitting_modules(modules, *a))
-  assert names({"activations"}, "public", "mixup") == ["activation", "aware", "mixup_adaptive"]
-  assert names({"activations", "gradients"}, "public", "nopeek") == ["activation", "joint"]
-  assert names(None, "trained", "projection") == ["activation", "aware", "joint", "trained_only"]
+  # A defense-aware entry that does not say what a defense acts on stays required.
+  assert names({"activations"}, "public", "mixup") == [
+      "activation", "aware", "aware_unknown", "mixup_adaptive"]
+  assert names({"activations", "gradients"}, "public", "nopeek") == [
+      "activation", "aware_unknown", "joint"]
+  assert names(None, "trained", "projection") == [
+      "activation", "aware", "aware_unknown", "joint", "trained_only"]
 
 
 # The registered attacks that fit a training capture (O: h and g) of a projection-defended
@@ -298,8 +305,11 @@ def test_live_registry_pass_needs_every_fitting_attack(tmp_path, cap):
   specs = []
   for m in range(3):
     specs += [syn.Spec("activation", "beam_inversion", 30, m)]
+    # Each record made at the revision the registry lists (another counts as unmeasured).
     specs += [syn.Spec(name, "beam_inversion", 12 if name == "projection_adaptive" else 0, m,
-                       defense="projection") for name in FITTING_PROJECTION_TRAINING]
+                       defense="projection",
+                       attack_revision=registry.get(name).spec.revision)
+              for name in FITTING_PROJECTION_TRAINING]
   g = _gate(tmp_path, cap, specs, modules)
   assert g["decision"] == gates.FAIL and g["envelope"]["argmax"] == "projection_adaptive"
   assert g["envelope"]["envelope_pp"] == pytest.approx(

@@ -7,9 +7,11 @@ missing piece, so adding an attack means writing one module and no driver change
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Protocol
 
@@ -120,24 +122,88 @@ class Attack(Protocol):
 
 _REGISTRY: dict[str, Attack] = {}
 # Attack name -> {"module", "sha256"}: the module that registered it (or described it) and
-# the sha256 of that module's source file when it registered, the version of the attack's
-# code that a study's threat space records (lla.scoring.threat_space).
+# its code identity when it registered (`code_identity`), the version of the attack's code
+# that a study's threat space and each record hold (lla.scoring.threat_space, gates).
 _SOURCES: dict[str, dict[str, str | None]] = {}
 _FILE_SHA256: dict[str, str | None] = {}
+_IDENTITY: dict[str, str | None] = {}
 
 
-def _caller_source(depth: int = 2) -> dict[str, str | None]:
-  """The module `depth` frames up (the one calling `register` / `describe`) and the sha256
-  of its source file (None without one: a module typed into an interpreter)."""
-  caller = sys._getframe(depth).f_globals  # pylint: disable=protected-access
-  path = caller.get("__file__")
+def _file_sha256(path) -> str | None:
   if path not in _FILE_SHA256:
     try:
       with open(path, "rb") as f:
         _FILE_SHA256[path] = hashlib.sha256(f.read()).hexdigest()
     except (OSError, TypeError):
       _FILE_SHA256[path] = None
-  return {"module": str(caller.get("__name__")), "sha256": _FILE_SHA256[path]}
+  return _FILE_SHA256[path]
+
+
+def _lla_imports(path: str) -> set[str]:
+  """The lla modules a source file imports (anywhere in it: a function-level import runs
+  with the attack too), as dotted names; `from lla.x import y` names lla.x.y when that is
+  a module and lla.x otherwise."""
+  try:
+    with open(path, "rb") as f:
+      tree = ast.parse(f.read(), filename=path)
+  except (OSError, SyntaxError, ValueError):
+    return set()
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names if a.name.split(".")[0] == "lla")
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+        node.module.split(".")[0] == "lla"):
+      out.add(node.module)
+      for a in node.names:
+        if _module_file(f"{node.module}.{a.name}") is not None:
+          out.add(f"{node.module}.{a.name}")
+  return out
+
+
+def _module_file(name: str) -> str | None:
+  """The source file of module `name`, without importing it (None: not a module)."""
+  try:
+    spec = importlib.util.find_spec(name)
+  except (ImportError, ValueError, AttributeError):
+    return None
+  return spec.origin if spec is not None and spec.has_location else None
+
+
+def code_identity(path: str | None) -> str | None:
+  """The sha256 of the code an attack defined in source file `path` runs: the file and
+  every lla module it imports, transitively (with each package's __init__ on the way), as
+  the sorted lines "<module> <sha256 of its file>". A change to shared code the attack
+  runs (a beam search, the workspace) changes it, not only a change to the registering
+  file. None without a source file (a module typed into an interpreter)."""
+  if path is None or _file_sha256(path) is None:
+    return None
+  if path not in _IDENTITY:
+    seen: dict[str, str] = {}
+    todo = sorted(_lla_imports(path))
+    while todo:
+      name = todo.pop()
+      parts = name.split(".")
+      for i in range(1, len(parts) + 1):  # a module's packages run their __init__ too
+        prefix = ".".join(parts[:i])
+        if prefix in seen:
+          continue
+        origin = _module_file(prefix)
+        if origin is None:
+          continue
+        seen[prefix] = str(_file_sha256(origin))
+        todo.extend(sorted(_lla_imports(origin) - set(seen)))
+    lines = [f"<attack> {_file_sha256(path)}"] + [f"{n} {h}" for n, h in sorted(seen.items())]
+    _IDENTITY[path] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+  return _IDENTITY[path]
+
+
+def _caller_source(depth: int = 2) -> dict[str, str | None]:
+  """The module `depth` frames up (the one calling `register` / `describe`) and its code
+  identity (`code_identity`)."""
+  caller = sys._getframe(depth).f_globals  # pylint: disable=protected-access
+  return {"module": str(caller.get("__name__")),
+          "sha256": code_identity(caller.get("__file__"))}
 
 
 def source(name: str) -> dict[str, str | None] | None:
@@ -224,11 +290,25 @@ def describe(spec: AttackSpec) -> AttackSpec:
   return spec
 
 
+def defense_facts() -> dict[str, str]:
+  """Defense name -> what it acts on ("activations", "gradients", "training"), for every
+  mechanism registered in this process (lla.defenses and plugins): the facts a gate needs
+  to know which defense-aware baselines a defended capture requires."""
+  from lla import defenses  # pylint: disable=g-import-not-at-top
+  return {n: defenses.get(n).acts_on for n in defenses.names()}
+
+
 def module_entry(spec: AttackSpec) -> dict[str, Any]:
   """`spec` as the scoring layer's module entry (coverage, gates, qualification), with
-  `source`: the module that registered it and the sha256 of its source file."""
-  return {**spec.to_dict(), "observations": list(spec.requires),
-          "source": _SOURCES.get(spec.name)}
+  `source`: the module that registered it and its code identity (`code_identity`). A
+  defense-aware entry also holds `defenses` (`defense_facts`): it runs only where the
+  defense transforms the forward message, and scoring reads which defenses do from the
+  study's threat space, never from the live defense registry."""
+  entry = {**spec.to_dict(), "observations": list(spec.requires),
+           "source": _SOURCES.get(spec.name)}
+  if spec.defense_aware:
+    entry["defenses"] = defense_facts()
+  return entry
 
 
 def module_entries() -> list[dict[str, Any]]:

@@ -69,6 +69,10 @@ class AttackRecord:
   # The attack's AttackSpec.revision when the record was made (records written before
   # the field existed were made at revision 1).
   attack_revision: int = 1
+  # The attack's code identity when the record was made (lla.attacks.registry
+  # code_identity: its module and every lla module it imports); None in records written
+  # before the field, and in records of writers that run no registered code.
+  attack_code_sha256: str | None = None
   schema: str = SCHEMA
 
   def __post_init__(self):
@@ -88,9 +92,10 @@ class AttackRecord:
     if self.status != "ok" and not self.error:
       raise ValueError(f"{where}: status {self.status!r} needs an error "
                        "message saying why")
-    for name in ("e_hash", "capture_sha256", "prediction_sha256"):
+    for name in ("e_hash", "capture_sha256", "prediction_sha256", "attack_code_sha256"):
       value = getattr(self, name)
-      if not (value is None and name == "prediction_sha256") and not _HEX64.fullmatch(value):
+      if not (value is None and name in ("prediction_sha256", "attack_code_sha256")) and (
+          not _HEX64.fullmatch(value)):
         raise ValueError(f"{where}: {name} {value!r} is not a sha256 (64 hex digits)")
     if self.prediction_file is not None:
       inside("prediction_file", self.prediction_file)

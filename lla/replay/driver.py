@@ -495,6 +495,7 @@ def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, 
   measured = error is None
   return AttackRecord(
       run_id=run_id, attack=spec.name, family=spec.family, attack_revision=spec.revision,
+      attack_code_sha256=(registry.source(spec.name) or {}).get("sha256"),
       status="ok" if measured else "crashed",
       error=None if measured else f"{type(error).__name__}: {error}",
       prediction_file=prediction_file, prediction_sha256=prediction_sha256,

@@ -194,12 +194,25 @@ def _protocol_observations(run_dir: str, e_hash: str) -> frozenset[str] | None:
   return frozenset(k for k in OBSERVATIONS if o.get(k))
 
 
-def _acts_on_activations(defense: str) -> bool:
-  from lla import defenses  # pylint: disable=g-import-not-at-top
-  try:
-    return defenses.get(defense).acts_on == "activations"
-  except defenses.DefenseError:
-    return False
+def _defense_aware_fits(m: dict, defense: str) -> bool | None:
+  """Whether defense-aware baseline `m` fits a capture defended by `defense`: True where
+  the defense transforms the forward message, False where it does not, None where the
+  study does not say (the entry holds no defense facts, or none for this defense: a
+  plugin defense not registered when the threat space was written). The facts come from
+  the study's threat space (the entry's `defenses`, lla.attacks.registry.defense_facts),
+  never from the live defense registry."""
+  facts = m.get("defenses")
+  if not isinstance(facts, dict) or defense not in facts:
+    return None
+  return facts[defense] == "activations"
+
+
+def unknown_defense(modules: list[dict], observed, knowledge: str, defense: str) -> list[str]:
+  """The defense-aware entries that would fit the capture but whose entry does not say
+  whether `defense` transforms the forward message: `fitting_modules` keeps them (a
+  requirement is never dropped for want of a fact) and the gate withholds PASS."""
+  return sorted(m["name"] for m in fitting_modules(modules, observed, knowledge, defense)
+                if m.get("defense_aware") and _defense_aware_fits(m, defense) is None)
 
 
 def fitting_modules(modules: list[dict], observed, knowledge: str,
@@ -208,7 +221,8 @@ def fitting_modules(modules: list[dict], observed, knowledge: str,
   (PROTOCOL section 5a; the registry's `fits` on entries): observations held,
   knowledge allowed, adaptive ones only on the mechanisms they adapt to,
   defense-aware baselines only where the defense transforms the forward
-  message, passive tier; negative controls are not attacks."""
+  message (and, where the study does not say whether it does, kept: see
+  `unknown_defense`), passive tier; negative controls are not attacks."""
   observed = frozenset(OBSERVATIONS if observed is None else observed)
   out = []
   for m in modules:
@@ -219,10 +233,26 @@ def fitting_modules(modules: list[dict], observed, knowledge: str,
         or not set(needs) <= observed
         or knowledge not in m.get("knowledge", ("public", "trained"))
         or (adapts and defense not in adapts)
-        or (m.get("defense_aware") and not _acts_on_activations(defense))):
+        or (m.get("defense_aware") and _defense_aware_fits(m, defense) is False)):
       continue
     out.append(m)
   return out
+
+
+def stale(record: AttackRecord, entry: dict) -> str | None:
+  """Why `record` is not a measurement of the attack the study's threat space lists
+  (None: it is): made by another revision, or by other code (both code identities known
+  and different; a record without one, made before records held it, is judged by its
+  revision alone)."""
+  revision = entry.get("revision", 1)
+  if record.attack_revision != revision:
+    return (f"revision {record.attack_revision} recorded, the study's threat space lists "
+            f"revision {revision}")
+  listed = (entry.get("source") or {}).get("sha256")
+  if record.attack_code_sha256 and listed and record.attack_code_sha256 != listed:
+    return (f"made by code {record.attack_code_sha256[:12]}, the study's threat space "
+            f"lists code {listed[:12]}")
+  return None
 
 
 def _per_capture(group: list[Scored], observed) -> dict[str, frozenset[str] | None]:
@@ -249,21 +279,29 @@ def coverage_flags(group: list[Scored], modules: list[dict] | None,
   by_capture = _per_capture(group, observed)
   fits_on = {}  # name -> captures it fits
   no_adaptive = []
+  unknown = set()
   for cap, obs in by_capture.items():
     fitting = fitting_modules(modules, obs, r0.knowledge, r0.defense)
+    unknown.update(unknown_defense(modules, obs, r0.knowledge, r0.defense))
     for m in fitting:
       fits_on.setdefault(m["name"], []).append(cap)
     if not any(m.get("adapts_to") for m in fitting):
       no_adaptive.append(cap)
   adaptive = sorted({m["name"] for m in modules if m["name"] in fits_on
                      and m.get("adapts_to")})
+  entries = {m["name"]: m for m in modules}
   measured, ran = set(), {}
-  for s in group:
+  # A measured record counts only at the revision and code the study lists; one of
+  # another is unmeasured, named with why (a PASS never rests on a superseded attack).
+  for s in sorted(group, key=lambda s: s.counts is None):
     key = (s.record.attack, s.record.capture_sha256)
-    if s.counts is not None:
+    why = stale(s.record, entries[s.record.attack]) if (
+        s.counts is not None and s.record.attack in entries) else None
+    if s.counts is not None and why is None:
       measured.add(key)
+      ran.pop(key, None)
     elif key not in measured:
-      ran.setdefault(key, s.record.status)
+      ran.setdefault(key, why or s.record.status)
   seeds = {}  # capture -> the model seeds of its records (how a reason names it)
   for s in group:
     seeds.setdefault(s.record.capture_sha256, set()).add(s.record.model_seed)
@@ -279,6 +317,10 @@ def coverage_flags(group: list[Scored], modules: list[dict] | None,
                + ", ".join(str(m) for m in where))
     unmeasured[name] = text
   flags = []
+  if unknown:
+    flags.append(f"defense {r0.defense!r} is unknown to the study's threat space: whether "
+                 "it transforms the forward message is not recorded, so the defense-aware "
+                 f"baseline(s) {', '.join(sorted(unknown))} stay required")
   if unmeasured:
     flags.append("fitting attack(s) unmeasured: " + ", ".join(
         f"{n} ({why})" for n, why in sorted(unmeasured.items())))
@@ -291,7 +333,8 @@ def coverage_flags(group: list[Scored], modules: list[dict] | None,
                "fitting": sorted(n for n, on in fits_on.items() if cs[0] in on)}
               for o, cs in sorted(kinds.items(), key=lambda kv: (kv[0] is None, kv[0] or ()))]
   return flags, {"fitting": sorted(fits_on), "unmeasured": unmeasured,
-                 "adaptive": adaptive, "observed": observed}
+                 "adaptive": adaptive, "observed": observed,
+                 "unknown_defense": sorted(unknown)}
 
 
 def gate(group: list[Scored], everything: list[Scored],

@@ -75,6 +75,8 @@ class Spec:
   knowledge: str = "public"
   corpus: str = "synthetic"
   jitter: int = 0
+  attack_revision: int = 1
+  attack_code_sha256: str | None = None
 
   @property
   def run_id(self) -> str:
@@ -115,7 +117,8 @@ def make_run(run_dir: str, capture_dir: str, specs: list[Spec],
         corpus=sp.corpus, defense=sp.defense, defense_params={},
         reference=sp.reference, seed=sp.seed, budget={"C": 32, "W": 2},
         flops=1.0e9, flops_source="analytic", flops_analytic=1.0e9, wall_s=1.5,
-        compile_s=0.0, stages={}, details={}, provenance={"lla": "synthetic"})
+        compile_s=0.0, stages={}, details={}, provenance={"lla": "synthetic"},
+        attack_revision=sp.attack_revision, attack_code_sha256=sp.attack_code_sha256)
     rundir.save_record(run_dir, name, rec)
   if finalize:
     rundir.finalize(run_dir, time=time)
