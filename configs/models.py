@@ -2,10 +2,23 @@
 
 The architecture fields are those of `lla.model.gpt2.GPT2Config`, plus `family` and, for the
 RoPE families (`lla.model.decoder.DecoderConfig`), the KV heads, MLP width, RoPE base and
-head tying (`lla.train.models.architecture` builds the config). Where the weights come from
-(read by `lla.train.models.load_base`, first non-empty wins): `checkpoint` an lla checkpoint
-directory (the output of experiments/pretrain.py), `hf_dir` a `save_pretrained` directory, `hub`
-a Hugging Face hub name.
+head tying (`lla.model.loading.architecture` builds the config). Where the weights come from
+is read by `lla.model.loading.load_model`, the one loader of every binary (capture, replay,
+the main job, fine-tuning, the active tier, the decoy split, real_weights, the sweep), in one
+order, the first non-empty wins:
+
+  1. `gguf`          a GGUF file (llama.cpp): architecture, weights and tokenizer from it
+  2. `gguf_package`  an installed Python package that ships one GGUF file
+  3. `hf_dir`        a `save_pretrained` directory: its config.json is the architecture,
+                     its tokenizer.json (BOS policy: tokenizer_config.json) the tokenizer
+  4. `checkpoint`    an lla checkpoint directory (experiments/pretrain.py, finetune.py); where
+                     the config is the architecture (fine-tuning, the main job, the active
+                     tier) a checkpoint of another architecture is refused
+  5. `hub`           a Hugging Face hub name
+
+So `--config.model.hf_dir=DIR` wins over the embedded preset's default `checkpoint`. A model
+without its own tokenizer is cut by the data directory's GPT-2 tokenizer only if it is a GPT-2
+or pre-trained here; any other is refused unless its documents come as token files.
 
   embedded   8 layers, d 128, 4 heads, 128 positions, GPT-2's 50,257-token vocabulary: 7.9M
              parameters, 6.4M of them the tied embedding/head, which also dominates the FLOPs.
@@ -39,8 +52,6 @@ a Hugging Face hub name.
              fields below describe the published model: Llama-3.2-1B 16 layers, d 2048, 32 / 8
              heads, llama3 RoPE scaling, BOS `<|begin_of_text|>`; Qwen3-0.6B 28 layers, d 1024,
              16 / 8 heads of width 128, q/k-norm, no BOS). lla does not pre-train them.
-`gguf` (a GGUF file) or `gguf_package` (an installed package holding one) comes first in the
-load order of lla.model.loading.load_model, the capture and replay binaries' loader.
 """
 
 import ml_collections

@@ -18,14 +18,15 @@ from lla import runtime
 from lla.capture import capture, runner
 from lla.data.paths import DataNotFoundError
 from lla.defenses import DefenseError
-from lla.model import checkpoint, gguf_io, hf_io
+from lla.model import checkpoint, gguf_io, hf_io, loading
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Capture config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Capture directory to write.", required=True)
 # Inputs checked before anything is computed: one line on stderr, exit status 1, nothing
 # written. Anything else is a bug and keeps its traceback.
 _INPUT_ERRORS = (capture.CaptureInputError, DefenseError, checkpoint.CheckpointError,
-                 hf_io.CheckpointError, gguf_io.GGUFError, DataNotFoundError)
+                 hf_io.CheckpointError, gguf_io.GGUFError, DataNotFoundError,
+                 loading.ModelLoadError)
 
 
 def main(argv):

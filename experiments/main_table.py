@@ -20,11 +20,10 @@ from experiments import distributed
 from lla import dist, runtime
 from lla.capture import store
 from lla.evidence import rundir
-from lla.model import gguf_io
+from lla.model import gguf_io, loading
 from lla.replay import driver as replay
 from lla.study import main_table
 from lla.train import finetune
-from lla.train import models
 
 # An artifact of the workdir that this job cannot reuse (a capture or fine-tune made with
 # another model, secret or config): one line naming what differs, no traceback.
@@ -35,7 +34,7 @@ from lla.train import models
 # draws: one line, before any write.
 _REFUSALS = (store.CaptureError, finetune.CheckpointMismatch, rundir.RunLockedError,
              main_table.WorkdirMismatch, main_table.DocumentCountError, gguf_io.GGUFError,
-             models.TokenizerPolicyError, models.MissingWeightsError)
+             loading.ModelLoadError)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu",
                                           "Main-table config.", lock_config=True)

@@ -28,8 +28,7 @@ from lla import data, defenses, runtime
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.model import gguf_io, split
-from lla.model.loading import load_model
-from lla.train import models
+from lla.model import loading
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/main_table.py:cpu_smollm2",
                                           "Main-table config: the model, data and budget.")
@@ -50,10 +49,11 @@ def main(argv):
   if _M.value > min(batch, _DOCS.value - (_DOCS.value - 1) // batch * batch):
     raise SystemExit(f"error: --m={_M.value}: every capture batch needs at least m documents "
                      f"(--docs={_DOCS.value} in batches of {batch})")
-  with cli.one_line_errors(gguf_io.GGUFError, FileNotFoundError):
-    model = load_model(config.model)
+  with cli.one_line_errors(gguf_io.GGUFError, FileNotFoundError, loading.ModelLoadError):
+    model = loading.load_model(config.model)
     splits = data.load_splits(**{**config.data.to_dict(), "n_eval": _DOCS.value},
-                              tokenizer=models.tokenizer(config.model))
+                              tokenizer=model.text_tokenizer("token files, which this "
+                                                             "experiment does not take"))
   tokens = np.asarray(splits.evaluation.tokens)
   h = np.concatenate([np.asarray(split.client(model.params, model.cfg,
                                               jnp.asarray(tokens[i:i + batch]), _CUT.value))

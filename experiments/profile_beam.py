@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import models
-from lla.train import models as models_lib
+from lla.model import loading
 from lla_kernels import compare as kernel_compare
 from lla import runtime
 from lla.attacks.seed import beam
@@ -104,7 +104,7 @@ def main(argv):
   del argv
   runtime.configure()
   spec = models.get_config(_MODEL.value)
-  cfg = models_lib.architecture(spec)
+  cfg = loading.architecture(spec)
   docs, seq_len, num, width, cut = (_DOCS.value, _SEQ_LEN.value, _CANDIDATES.value,
                                     _WIDTH.value, _CUT.value)
   params = random_params(cfg, _SEED.value)

@@ -16,16 +16,15 @@ from lla.attacks import budget
 from lla.capture import store
 from lla.data import paths
 from lla.evidence import rundir
-from lla.model import gguf_io
+from lla.model import gguf_io, loading
 from lla.replay import driver as replay
 from lla.study import real_weights
-from lla.train import models
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/real_weights.py",
                                           "Real-weights config.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (resumed if it exists).",
                                required=True)
-_INPUT_ERRORS = (real_weights.RealWeightsError, models.TokenizerPolicyError,
+_INPUT_ERRORS = (real_weights.RealWeightsError, loading.ModelLoadError,
                  gguf_io.GGUFError, store.CaptureError,
                  replay.ReplayInputError, budget.BudgetError, rundir.RunLockedError,
                  paths.DataNotFoundError)

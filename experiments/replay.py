@@ -26,7 +26,7 @@ from lla import dist, runtime
 from lla.attacks import budget, registry
 from lla.replay import driver as replay, runner as replay_runner
 from lla.capture import store
-from lla.model import gguf_io
+from lla.model import checkpoint, gguf_io, hf_io, loading
 from lla.evidence import rundir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config.", lock_config=True)
@@ -40,7 +40,8 @@ _LOCK_WAIT_S = flags.DEFINE_float(
 # anything else is a bug and keeps its trace.
 _INPUT_ERRORS = (replay.ReplayInputError, budget.BudgetError, registry.IncompatibleCaptureError,
                  registry.PluginError, store.CaptureError, rundir.RunLockedError,
-                 gguf_io.GGUFError, FileNotFoundError, KeyError)
+                 gguf_io.GGUFError, FileNotFoundError, KeyError, loading.ModelLoadError,
+                 checkpoint.CheckpointError, hf_io.CheckpointError)
 
 
 def main(argv):

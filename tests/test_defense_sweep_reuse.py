@@ -133,10 +133,11 @@ def test_defended_fine_tune_made_with_another_secret_is_refused(tmp_path):
   config = finetune_config.get_config("tiny")
   config.model.update(vocab_size=128, n_positions=16)
   config.update({"num_models": 1, "batch_size": 8, "num_epochs": 1})
-  from lla.train import models  # pylint: disable=g-import-not-at-top
-  cfg = models.architecture(config.model)
+  from lla.model import loading  # pylint: disable=g-import-not-at-top
+  cfg = loading.architecture(config.model)
   params = init_params(cfg, jax.random.key(0))
-  base = (params, cfg, {"source": "test", "params_sha256": ckpt.params_sha256(params)})
+  model_id, info = loading.identify(ckpt.params_sha256(params), cfg, None)
+  base = loading.LoadedModel(params, cfg, None, model_id, "test", info)
   defense = defenses.make("gaussian", sigma=0.5)
   first, second = defenses.Secret.explicit(11), defenses.Secret.explicit(12)
   made = finetune.finetune(config, tmp_path, _splits(), base, defense=defense, secret=first)

@@ -286,10 +286,14 @@ def test_lla_checkpoint_roundtrip_records_family(ref, tmp_path):
   assert restored.cfg == ref.cfg and restored.sha256 == saved.sha256
   jax.tree.map(np.testing.assert_array_equal, restored.params, ref.params)
   loaded = loading.load_model(ml_collections.ConfigDict({"checkpoint": str(tmp_path / "ckpt")}))
-  assert loaded.info == {"family": ref.family, "format": "lla-checkpoint",
-                         "source_format": "hf-safetensors", "dequantisation": "none"}
+  assert {k: loaded.info[k] for k in ("family", "format", "source_format", "dequantisation")} \
+      == {"family": ref.family, "format": "lla-checkpoint", "source_format": "hf-safetensors",
+          "dequantisation": "none"}
+  assert loaded.info["params_sha256"] == saved.sha256 and loaded.tokenizer_kind == "gpt2"
   loaded = loading.load_model(ml_collections.ConfigDict({"hf_dir": str(restored.hf_dir)}))
-  assert loaded.cfg == ref.cfg and loaded.model_id == saved.sha256
+  # The same weights; the export carries no tokenizer, so it declares none (another id).
+  assert loaded.cfg == ref.cfg and loaded.params_sha256 == saved.sha256
+  assert loaded.tokenizer_kind == "none" and loaded.model_id not in (saved.sha256, "")
 
 
 def test_capture_cli_on_a_llama_checkpoint(tmp_path):
@@ -324,8 +328,8 @@ def test_the_llama_twin_has_its_gpt2s_shape_and_size():
   within 1% of its parameter count, counted from the initialised shapes."""
   from configs import main_table
   from configs import models as model_configs
-  from lla.train import models
-  gpt2, twin = (models.architecture(model_configs.get_config(name))
+  from lla.model import loading
+  gpt2, twin = (loading.architecture(model_configs.get_config(name))
                 for name in ("embedded", "embedded_llama"))
   shared = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
   assert twin.family == "llama" and all(getattr(twin, f) == getattr(gpt2, f) for f in shared)
@@ -336,7 +340,7 @@ def test_the_llama_twin_has_its_gpt2s_shape_and_size():
   config = main_table.get_config("cpu_llama")
   for part in (config.model, config.pretrain.model, config.finetune.model, config.active.model,
                config.frontier.sweep.cell.target):
-    assert models.architecture(part) == twin
+    assert loading.architecture(part) == twin
 
 
 def _tokenizer_json(path, template: str | None):
@@ -355,31 +359,35 @@ def _tokenizer_json(path, template: str | None):
 
 def test_a_published_directory_brings_its_architecture_and_its_tokenizers_bos(tmp_path):
   """A Qwen3 save_pretrained directory (q/k-norm, head_dim 32 != d / H = 16) given as the
-  base of a Llama model config: load_base takes the directory's architecture (the client's
+  base of a Llama model config: the loader takes the directory's architecture (the client's
   h equals transformers'), records it, and reads the directory's tokenizer.json with the BOS
-  its post-processor prepends; a post-processor that appends an EOS is refused in one line."""
+  its post-processor prepends; without tokenizer.json it cuts no text (not with GPT-2's),
+  and a post-processor that appends an EOS is refused in one line."""
   from configs import models as model_configs
-  from lla.train import models
+  from lla.model import loading
   hf = hf_model("qwen3")
   hf.save_pretrained(tmp_path / "qwen3")
   config = model_configs.get_config("tiny_llama")
   config.hf_dir = str(tmp_path / "qwen3")
-  params, cfg, provenance = models.load_base(config)
+  loaded = loading.load_model(config, check_architecture=True)
+  params, cfg = loaded.params, loaded.cfg
   assert (cfg.family, cfg.head_dim, cfg.qk_norm, cfg.n_embd // cfg.n_head) == ("qwen3", 32, True,
                                                                               16)
-  assert provenance["model"] == {"family": "qwen3", "format": "hf-safetensors",
-                                 "dequantisation": "none"}
+  assert {k: loaded.info[k] for k in ("family", "format", "dequantisation")} == {
+      "family": "qwen3", "format": "hf-safetensors", "dequantisation": "none"}
   tokens = np.random.default_rng(3).integers(0, _COMMON["vocab_size"], (B, T)).astype(np.int32)
   assert_close(split.client(params, cfg, jnp.asarray(tokens), 2),
                hf_boundary(hf, torch.from_numpy(tokens).long(), 2)[0], RTOL, "h at k = 2")
-  assert models.tokenizer(config) is None  # no tokenizer.json: the data directory's GPT-2
+  assert loaded.tokenizer is None  # no tokenizer.json: none, and no text cut by GPT-2's
+  with pytest.raises(loading.TokenizerPolicyError, match="without its tokenizer"):
+    loaded.text_tokenizer("--config.data.tokens_npy")
   for template, bos in (("$A", None), ("<s> $A", 1)):
     _tokenizer_json(tmp_path / "qwen3" / "tokenizer.json", template)
-    own = models.tokenizer(config)
+    own = loading.load_model(config).text_tokenizer("--config.data.tokens_npy")
     assert own.bos_id == bos and own.encode("w5 w7").tolist() == [5, 7]
   _tokenizer_json(tmp_path / "qwen3" / "tokenizer.json", "$A </s>")
-  with pytest.raises(models.TokenizerPolicyError, match="lla places one leading BOS"):
-    models.tokenizer(config)
+  with pytest.raises(loading.TokenizerPolicyError, match="lla places one leading BOS"):
+    loading.load_model(config)
 
 
 def test_a_published_model_without_weights_is_refused_before_any_write(tmp_path):

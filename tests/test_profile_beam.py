@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from configs import models
-from lla.train import models as models_lib
+from lla.model import loading as models_lib
 from experiments import profile_beam
 from lla.attacks.seed import beam
 from lla.attacks import workspace

@@ -13,7 +13,7 @@ from lla.model.gpt2 import init_params
 from lla.model import checkpoint as ckpt
 from lla.train import finetune
 from lla.train import loop
-from lla.train import models
+from lla.model import loading
 from lla.train import pretrain
 
 SMALL = dict(vocab_size=128, n_positions=16)
@@ -36,9 +36,10 @@ def _splits():
 @pytest.fixture(scope="module")
 def base():
   config = _model_config(finetune_config.get_config("tiny"))
-  cfg = models.architecture(config.model)
+  cfg = loading.architecture(config.model)
   params = init_params(cfg, jax.random.key(0))
-  return params, cfg, {"source": "test", "params_sha256": ckpt.params_sha256(params)}
+  model_id, info = loading.identify(ckpt.params_sha256(params), cfg, None)
+  return loading.LoadedModel(params, cfg, None, model_id, "test", info)
 
 
 def _config(**changes):
@@ -65,7 +66,7 @@ def test_client_layers_follow_the_switch(tmp_path, base, train_client_layers):
   (tuned,) = finetune.finetune(config, tmp_path, _splits(), base)
   for name in ("wte", "wpe", *(f"h_{i}" for i in range(config.k))):  # GPT-2's client
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-               zip(jax.tree.leaves(base[0][name]), jax.tree.leaves(tuned.params[name])))
+               zip(jax.tree.leaves(base.params[name]), jax.tree.leaves(tuned.params[name])))
     assert same == (not train_client_layers), name
   assert tuned.metadata["knowledge"] == ("trained" if train_client_layers else "public")
 

@@ -49,7 +49,7 @@ from lla.model import loading
 from lla.model import split
 from lla.protocol import tuple as protocol
 from lla.scoring import metrics
-from lla.train import loop, models
+from lla.train import loop
 
 ACTIVE_SERVER = protocol.Attacker("active_server", ("observe", "write_gradient"))
 
@@ -108,35 +108,23 @@ class Setup:
     return {}
 
 
-def load_base(config, workdir: pathlib.Path) -> tuple[dict, split.ModelConfig, str, dict]:
-  """(params, cfg, params sha256, loading source) of the base model.
-
-  `config.model.checkpoint` (the main job's pre-trained base; its architecture checked
-  against the config), `hf_dir` or a GGUF file (`gguf`, `gguf_package`: any family, the
-  architecture the file's own), or `hub`; with none
-  of them and `init_seed` >= 0, a seeded random init saved once under workdir/base (the tiny
-  variant).
+def load_base(config, workdir: pathlib.Path) -> tuple[loading.LoadedModel, dict]:
+  """(the base model, its loading source) (lla.model.loading.load_model, which checks an lla
+  checkpoint's architecture against the config; a GGUF file's or a directory's is its own).
+  With no source and `init_seed` >= 0, a seeded random init saved once under workdir/base
+  (the tiny variant).
   """
-  model = config.model
-  source = {k: model[k] for k in ("checkpoint", "hf_dir", "hub", "gguf", "gguf_package")
-            if model.get(k)}
-  if not model.checkpoint and source.keys() & {"hf_dir", "gguf", "gguf_package"}:
-    # A checkpoint of any family (Llama, Qwen, Mistral, Gemma or GPT-2): its architecture
-    # is the file's own, as the capture and replay binaries load it.
-    loaded = loading.load_model(model)
-    return loaded.params, loaded.cfg, loaded.model_id, source
-  if not source:
+  model = ml_collections.ConfigDict(config.model.to_dict())
+  if not loading.source_of(model):
     if model.init_seed < 0:
       raise ValueError("config.model names no checkpoint, hf_dir or hub: name the pre-trained "
                        "base (e.g. --config.model.checkpoint=RUN/pretrain/checkpoint)")
-    cfg = models.architecture(model)
+    cfg = loading.architecture(model)
     create = lambda: (split.init_params(cfg, jax.random.key(model.init_seed)), cfg,
                       {"kind": "random-init", "seed": int(model.init_seed)})
     checkpoint, _ = ckpt.load_or_create(workdir / "base", create, export_hf=False)
-    source = {"checkpoint": str(checkpoint.path)}
-    return checkpoint.params, checkpoint.cfg, checkpoint.sha256, source
-  params, cfg, provenance = models.load_base(model)
-  return params, cfg, provenance["params_sha256"], source
+    model.checkpoint = str(checkpoint.path)
+  return loading.load_model(model, check_architecture=True), loading.source_of(model)
 
 
 def fsha_spec(config, cfg: split.ModelConfig) -> fsha.FSHASpec:
@@ -181,10 +169,11 @@ def pretrained_pilot(config, cfg, public_tokens: np.ndarray, directory: pathlib.
 
 
 def make_setup(config, workdir: pathlib.Path) -> Setup:
-  params, cfg, base_id, source = load_base(config, workdir)
-  # A model that brings its own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the
-  # documents and the public windows; its BOS, if any, starts each, public and unscored.
-  tokenizer = models.tokenizer(config.model)
+  base, source = load_base(config, workdir)
+  params, cfg, base_id = base.params, base.cfg, base.model_id
+  # The model's own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the documents and
+  # the public windows; its BOS, if any, starts each, public and unscored.
+  tokenizer = base.text_tokenizer("token files, which the active tier does not take")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
   largest = max(int(np.max(part.tokens)) for _, part in splits.items())
   if largest >= cfg.vocab_size:

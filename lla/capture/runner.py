@@ -13,8 +13,7 @@ from lla.data import load as data_load
 from lla.data.passages import token_sha256
 from lla.defenses import training as defended
 from lla.evidence import files
-from lla.model.loading import load_model
-from lla.train import models as train_models
+from lla.model import loading
 
 
 def load_tokens_npy(path: str) -> np.ndarray:
@@ -71,22 +70,16 @@ def _check_workdir(workdir: str) -> None:
 
 
 def _check_model_source(model: ml_collections.ConfigDict) -> None:
-  if model.get("gguf"):
-    if not os.path.isfile(model.gguf):
-      raise capture.CaptureInputError(f"--config.model.gguf={model.gguf}: no such file")
-    return
-  if model.get("gguf_package"):
-    return  # lla.model.gguf_io.packaged_file names a missing package in one line
-  if model.get("hf_dir"):
-    what, path = "hf_dir", model.hf_dir
-  elif model.get("checkpoint"):
-    what, path = "checkpoint", model.checkpoint
-  elif model.get("hub"):
-    return
-  else:
-    raise capture.CaptureInputError("--config.model: names no gguf, gguf_package, hf_dir, "
-                                    "checkpoint or hub to load the target from")
-  if not os.path.isdir(path):
+  """The source lla.model.loading.load_model will read exists (a package or hub name is
+  checked by the loader, in one line)."""
+  what = loading.first_source(model)
+  if what is None:
+    raise capture.CaptureInputError(f"--config.model: names no {', '.join(loading.SOURCES)} "
+                                    "to load the target from")
+  path = model[what]
+  if what == "gguf" and not os.path.isfile(path):
+    raise capture.CaptureInputError(f"--config.model.gguf={path}: no such file")
+  if what in ("hf_dir", "checkpoint") and not os.path.isdir(path):
     raise capture.CaptureInputError(f"--config.model.{what}={path}: no such directory")
 
 
@@ -103,11 +96,12 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   defense, secret = defense_from_config(config.defense, bool(config.training))
   user_tokens = _user_tokens(config.data.tokens_npy) if config.data.tokens_npy else None
   _check_model_source(config.model)
-  model = load_model(config.model)
+  model = loading.load_model(config.model)
   capture.check_cut(config.cut, model.cfg)
-  # A model that brings its own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the
-  # text, and its BOS, if any, starts every document as a public token.
-  tokenizer = train_models.tokenizer(config.model)
+  # The model's own tokenizer (a GGUF's, an hf_dir's tokenizer.json) cuts the text, and its
+  # BOS, if any, starts every document as a public token; without one, only token files
+  # feed a model that is not a GPT-2.
+  tokenizer = model.tokenizer
   known_prefix = tokenizer.known_prefix if tokenizer is not None else ()
   if user_tokens is not None:
     tokens = capture.check_tokens(user_tokens, model.cfg,
@@ -116,7 +110,8 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
     hashes = {"evaluation": token_sha256(tokens)}
   else:
     data = {k: v for k, v in config.data.to_dict().items() if k != "tokens_npy"}
-    splits = data_load.load_splits(**data, tokenizer=tokenizer)
+    splits = data_load.load_splits(
+        **data, tokenizer=model.text_tokenizer("--config.data.tokens_npy=TOKENS.npy"))
     tokens, ids, corpus = splits.evaluation.tokens, splits.evaluation.document_ids, splits.corpus
     tokens = capture.check_tokens(tokens, model.cfg, f"the {corpus} evaluation split")
     hashes = {name: p.sha256 for name, p in splits.items()}

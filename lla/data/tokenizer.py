@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -144,6 +145,55 @@ def from_file(path: str | os.PathLike[str]) -> Tokenizer:
     return wrap(backend, str(path), bos_id=int(full[0]))
   raise ValueError(f"{path}: its post-processor turns {plain} into {full}; lla places one "
                    "leading BOS and nothing else")
+
+
+PRETRAINED_TOKENIZER = "tokenizer.json"
+PRETRAINED_CONFIG = "tokenizer_config.json"
+
+
+def from_pretrained_dir(directory: str | os.PathLike[str]) -> Tokenizer | None:
+  """A `save_pretrained` directory's own tokenizer, or None where it holds no
+  tokenizer.json.
+
+  The BOS policy is transformers': `add_bos_token` in tokenizer_config.json, where present,
+  decides whether `bos_token` (named there) starts every sequence (a Llama tokenizer whose
+  config sets it false adds none, whatever its post-processor says); where absent, the
+  tokenizer.json post-processor decides (`from_file`), and its BOS must be the `bos_token`
+  the config names, if it names one.
+
+  Raises:
+    ValueError (one line): add_bos_token without a bos_token in the vocabulary, a
+      post-processor BOS other than the named bos_token, or one `from_file` refuses.
+  """
+  directory = Path(directory)
+  own = directory / PRETRAINED_TOKENIZER
+  if not own.is_file():
+    return None
+  tokenizer = from_file(own)
+  config_path = directory / PRETRAINED_CONFIG
+  if not config_path.is_file():
+    return tokenizer
+  try:
+    config = json.loads(config_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+  bos_token = config.get("bos_token")
+  if isinstance(bos_token, dict):  # an AddedToken's serialisation
+    bos_token = bos_token.get("content")
+  named = tokenizer.backend.token_to_id(bos_token) if bos_token else None
+  if bos_token and named is None:
+    raise ValueError(f"{config_path}: bos_token {bos_token!r} is not in {own.name}'s vocabulary")
+  add = config.get("add_bos_token")
+  if add is None:
+    if tokenizer.bos_id is not None and named is not None and named != tokenizer.bos_id:
+      raise ValueError(f"{own}: its post-processor prepends id {tokenizer.bos_id}, "
+                       f"{config_path.name} names bos_token {bos_token!r} (id {named})")
+    return tokenizer
+  if not add:
+    return wrap(tokenizer.backend, str(own))
+  if named is None:
+    raise ValueError(f"{config_path}: add_bos_token is true but it names no bos_token")
+  return wrap(tokenizer.backend, str(own), bos_id=int(named))
 
 
 def definition(tokenizer: Tokenizer) -> str:

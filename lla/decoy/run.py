@@ -22,7 +22,7 @@ from absl import logging
 from lla.decoy import attacks, capture, data, modules, system
 from lla.decoy import records as decoy_records
 from lla.evidence import files
-from lla.model import gpt2, hf_io, split
+from lla.model import gpt2, loading, split
 
 POLICY_DIR = os.path.join(os.path.dirname(__file__), "policies")
 ARMS = ("none", "mitigated")
@@ -45,14 +45,14 @@ def load_policy(name: str) -> tuple[dict, str]:
 
 
 def load_model(config, vocab: int, seed: int) -> tuple[dict, split.ModelConfig, str]:
-  """(params, cfg, model id): the checkpoint in `model.hf_dir` (any family), else a seeded
-  random init of a GPT-2."""
+  """(params, cfg, model id): the checkpoint in `model.hf_dir` (any family; lla.model.loading),
+  else a seeded random init of a GPT-2."""
   if config.model.hf_dir:
-    params, cfg = hf_io.load_hf_dir(config.model.hf_dir)
-    if cfg.vocab_size < vocab:
-      raise ValueError(f"{config.model.hf_dir}: vocabulary {cfg.vocab_size} < data's {vocab}")
-    weights = os.path.join(config.model.hf_dir, hf_io.WEIGHTS_FILE)
-    return params, cfg, "sha256:" + files.sha256_file(weights)
+    loaded = loading.load_model({"hf_dir": config.model.hf_dir})
+    if loaded.cfg.vocab_size < vocab:
+      raise ValueError(f"{config.model.hf_dir}: vocabulary {loaded.cfg.vocab_size} < data's "
+                       f"{vocab}")
+    return loaded.params, loaded.cfg, loaded.model_id
   cfg = gpt2.GPT2Config(vocab_size=vocab, n_positions=config.model.n_positions,
                         n_embd=config.model.n_embd, n_layer=config.model.n_layer,
                         n_head=config.model.n_head)

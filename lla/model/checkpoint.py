@@ -6,11 +6,15 @@ Layout of a checkpoint directory:
     params/          orbax StandardCheckpointer tree of float32 arrays
     config.json      the GPT2Config fields
     hf/              the same weights as a HF `save_pretrained` directory (optional)
-    metadata.json    {"format", "params_sha256", "hf_sha256", ...caller's metadata}
+    tokenizer.json   the model's own tokenizer, for a model that brought one (optional)
+    metadata.json    {"format", "params_sha256", "hf_sha256", "tokenizer", ...caller's metadata}
 
 The model's identity is `params_sha256`: sha256 over every leaf in sorted path order (path,
 dtype, shape, little-endian bytes), so it does not depend on how the params were produced or
-stored. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
+stored (the model id adds its architecture and tokenizer: lla.model.loading). A model
+fine-tuned from one that brought its own tokenizer (a Qwen3 directory's) keeps it:
+`tokenizer.json` and metadata "tokenizer" {"sha256", "bos_id", "source"}; a checkpoint without
+one was pre-trained here, on GPT-2's. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
 in one step, so `DIR` either does not exist or holds every file; `restore` still re-hashes the
 params (and the HF weights) and refuses a directory whose hash disagrees, e.g. one copied or
 edited by hand. `Resident` holds the params of a few restored checkpoints at a time, for a
@@ -39,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from lla.data import tokenizer as tokenizer_lib
 from lla.model import hf_io
 from lla.model import split
 from lla.model.decoder import DecoderConfig
@@ -46,6 +51,7 @@ from lla.model.gpt2 import GPT2Config
 
 FORMAT = "lla-checkpoint.v1"
 PARAMS_DIR, CONFIG_FILE, METADATA_FILE, HF_DIR = "params", "config.json", "metadata.json", "hf"
+TOKENIZER_FILE = "tokenizer.json"
 _PARTIAL = ".partial-"
 _QUARANTINED = ".quarantined-"
 QUARANTINE_NOTE = "QUARANTINE.txt"
@@ -63,6 +69,7 @@ class Checkpoint:
   params: dict
   cfg: GPT2Config
   metadata: dict
+  tokenizer: tokenizer_lib.Tokenizer | None = None  # the model's own; None: GPT-2's
 
   @property
   def sha256(self) -> str:
@@ -116,7 +123,8 @@ def _checkpointer() -> ocp.StandardCheckpointer:
 
 
 def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict | None = None,
-         export_hf: bool = True) -> Checkpoint:
+         export_hf: bool = True,
+         tokenizer: tokenizer_lib.Tokenizer | None = None) -> Checkpoint:
   """Writes a checkpoint atomically to `directory` (which must not exist yet).
 
   Args:
@@ -125,6 +133,7 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
     cfg: its config.
     metadata: JSON-serialisable extra fields (run config, data hashes, eval results).
     export_hf: also write `hf/`, a `save_pretrained` directory.
+    tokenizer: the model's own tokenizer (None: GPT-2's, the data directory's).
 
   Returns:
     The checkpoint, with `params_sha256` in its metadata.
@@ -142,13 +151,32 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
   with _checkpointer() as checkpointer:
     checkpointer.save(partial / PARAMS_DIR, params)
   (partial / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2, sort_keys=True) + "\n")
+  if tokenizer is not None:
+    (partial / TOKENIZER_FILE).write_text(tokenizer_lib.definition(tokenizer))
+    full_metadata["tokenizer"] = {"sha256": tokenizer.sha256, "bos_id": tokenizer.bos_id,
+                                  "source": tokenizer.source}
   if export_hf:
     hf_io.save_hf_dir(params, cfg, partial / HF_DIR)
     full_metadata["hf_sha256"] = _file_sha256(partial / HF_DIR / hf_io.WEIGHTS_FILE)
   (partial / METADATA_FILE).write_text(json.dumps(full_metadata, indent=2, sort_keys=True) + "\n")
   os.rename(partial, directory)
   logging.info("saved checkpoint %s (params sha256 %s)", directory, full_metadata["params_sha256"])
-  return Checkpoint(directory, params, cfg, full_metadata)
+  return Checkpoint(directory, params, cfg, full_metadata, tokenizer)
+
+
+def _restore_tokenizer(directory: pathlib.Path, metadata: dict) -> tokenizer_lib.Tokenizer | None:
+  recorded = metadata.get("tokenizer")
+  if not recorded:
+    return None
+  path = directory / TOKENIZER_FILE
+  try:
+    tokenizer = tokenizer_lib.from_definition(path.read_text(), recorded["source"])
+  except Exception as e:  # tokenizers raises its own exception type for a bad definition
+    raise CheckpointError(f"{path}: missing or unreadable ({type(e).__name__})") from None
+  if tokenizer.sha256 != recorded["sha256"]:
+    raise CheckpointError(f"{path}: its sha256 differs from metadata.json")
+  bos = recorded.get("bos_id")
+  return dataclasses.replace(tokenizer, bos_id=None if bos is None else int(bos))
 
 
 def restore(directory: str | os.PathLike) -> Checkpoint:
@@ -178,7 +206,7 @@ def restore(directory: str | os.PathLike) -> Checkpoint:
     weights = directory / HF_DIR / hf_io.WEIGHTS_FILE
     if not weights.exists() or _file_sha256(weights) != metadata["hf_sha256"]:
       raise CheckpointError(f"{weights}: missing or its sha256 differs from metadata.json")
-  return Checkpoint(directory, params, cfg, metadata)
+  return Checkpoint(directory, params, cfg, metadata, _restore_tokenizer(directory, metadata))
 
 
 class Resident:
@@ -238,13 +266,15 @@ def quarantine(directory: str | os.PathLike, reason: str) -> pathlib.Path:
 
 def load_or_create(directory: str | os.PathLike,
                    create: Callable[[], tuple[Any, GPT2Config, dict]],
-                   export_hf: bool = True) -> tuple[Checkpoint, bool]:
+                   export_hf: bool = True,
+                   tokenizer: tokenizer_lib.Tokenizer | None = None) -> tuple[Checkpoint, bool]:
   """Returns (checkpoint, created): the valid checkpoint at `directory`, else `create()`'s.
 
   `create` returns (params, cfg, metadata) and runs only when no valid checkpoint exists. A
   directory that fails to restore is quarantined (`quarantine`), never deleted: the error may
   be transient or a version mismatch, and the checkpoint may have cost hours. Leftovers of an
-  interrupted save (`.partial-*`, never complete) are removed.
+  interrupted save (`.partial-*`, never complete) are removed. `tokenizer` is saved with a
+  created checkpoint (`save`).
   """
   directory = pathlib.Path(directory).absolute()
   if directory.exists():
@@ -257,4 +287,4 @@ def load_or_create(directory: str | os.PathLike,
   for leftover in directory.parent.glob(directory.name + _PARTIAL + "*"):
     shutil.rmtree(leftover, ignore_errors=True)
   params, cfg, metadata = create()
-  return save(directory, params, cfg, metadata, export_hf=export_hf), True
+  return save(directory, params, cfg, metadata, export_hf=export_hf, tokenizer=tokenizer), True

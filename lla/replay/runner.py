@@ -15,17 +15,50 @@ from lla.capture import store
 from lla.capture.runner import load_tokens_npy
 from lla.data import load as data_load
 from lla.evidence import files, rundir
-from lla.model.loading import load_model
+from lla.model import loading
 
 
-def calibration_tokens(config: ml_collections.ConfigDict):
+def calibration_tokens(config: ml_collections.ConfigDict, model: loading.LoadedModel):
+  """[N, T] int32: `config.tokens_npy`, else the calibration split cut by the attacker's
+  model's own tokenizer (its BOS, if any, at position 0).
+
+  Raises:
+    ReplayInputError: an unreadable token file.
+    loading.TokenizerPolicyError: a model without a tokenizer and no token file.
+  """
   if config.tokens_npy:
     try:
       return load_tokens_npy(config.tokens_npy)
     except ValueError as e:
       raise replay.ReplayInputError(f"--config.calibration.tokens_npy: {e}") from None
   data = {k: v for k, v in config.to_dict().items() if k != "tokens_npy"}
-  return data_load.load_splits(**data).calibration.tokens
+  tokenizer = model.text_tokenizer("--config.calibration.tokens_npy=TOKENS.npy")
+  return data_load.load_splits(**data, tokenizer=tokenizer).calibration.tokens
+
+
+def check_bos_policy(capture_dir: str, calibration, tokenizer) -> None:
+  """Refuses calibration documents whose BOS policy is not the capture's: every document
+  starts with the capture's known prefix (E.C.known_prefix) and, for a capture without one,
+  the attacker's tokenizer (None: GPT-2's, which has none) adds no BOS.
+
+  Raises:
+    ReplayInputError: one line naming the difference.
+  """
+  path = os.path.join(capture_dir, store.METADATA_FILE)
+  if not os.path.isfile(path):
+    raise store.CaptureError(f"{path}: no capture metadata")
+  prefix = tuple(int(t) for t in files.read_json(path)["protocol"]["C"].get("known_prefix", ()))
+  if prefix:
+    differ = sum(tuple(int(t) for t in row[:len(prefix)]) != prefix for row in calibration)
+    if differ:
+      raise replay.ReplayInputError(
+          f"capture {capture_dir} starts every document with BOS {list(prefix)}; {differ} "
+          "calibration document(s) do not (calibrate with the capture's model's tokenizer, "
+          "or token files that start with it)")
+  elif tokenizer is not None and tokenizer.bos_id is not None:
+    raise replay.ReplayInputError(
+        f"capture {capture_dir} has no BOS; the attacker's tokenizer ({tokenizer.source}) "
+        f"prepends BOS {tokenizer.bos_id} to every calibration document")
 
 
 def parse_assignments(text: str) -> dict:
@@ -86,11 +119,12 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str,
   with rundir.locked(workdir, lock_wait_s, what="experiments.replay"):
     registry.load_plugins(config.plugins)
     budget = {**config.budget.to_dict(), **parse_assignments(config.plugin_budget)}
-    model = load_model(config.attacker)
-    source = {k: config.attacker[k] for k in ("gguf", "gguf_package", "hf_dir", "checkpoint", "hub")
-              if config.attacker.get(k)}
-    attacker = replay.Attacker(model.params, model.cfg, model.model_id,
-                               calibration_tokens(config.calibration), config.knowledge, source)
+    model = loading.load_model(config.attacker)
+    calibration = calibration_tokens(config.calibration, model)
+    check_bos_policy(config.capture_dir, calibration,
+                     None if config.calibration.tokens_npy else model.tokenizer)
+    attacker = replay.Attacker(model.params, model.cfg, model.model_id, calibration,
+                               config.knowledge, loading.source_of(config.attacker))
     chunk_budget, where = memory.chunk_budget_bytes(int(config.memory_budget_mb) << 20)
     logging.info("%s", memory.describe_replay(config.capture_dir, model.cfg,
                                               attack_names(config.attacks), budget, chunk_budget,

@@ -37,6 +37,7 @@ from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
 from lla.evidence import files
+from lla.model import loading
 from lla.protocol import tuple as protocol
 from lla.scoring import gates
 from lla.train import finetune as finetune_lib
@@ -123,7 +124,10 @@ def defended_target(config, workdir: pathlib.Path, target, defense, secret, labe
       defense=defense, secret=secret)
   # Public knowledge: the attacker holds the defended target's exact client layers.
   target.resident.keep(checkpoint)
-  return dataclasses.replace(target, checkpoint=checkpoint.path, model_id=checkpoint.sha256,
+  return dataclasses.replace(target, checkpoint=checkpoint.path,
+                             model_id=loading.identify(checkpoint.sha256, checkpoint.cfg,
+                                                       checkpoint.tokenizer)[0],
+                             params_sha256=checkpoint.sha256,
                              attacker_source={"checkpoint": str(checkpoint.path)}, base=None)
 
 

@@ -23,7 +23,7 @@ hundreds.
 
 A model whose tokenizer prepends BOS gets it at position 0 of every passage, before
 seq_len - 1 tokens of text; E records it as the known prefix, so no attack is scored there
-(lla.train.models.tokenizer).
+(lla.model.loading: the tokenizer is the loaded model's).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from lla.capture import store
 from lla.data import corpora, paths
 from lla.data import passages as passages_lib
 from lla.evidence import files, rundir
-from lla.model.loading import load_model
+from lla.data import tokenizer as tokenizer_lib
+from lla.model import loading
 from lla.replay import driver as replay
 from lla.scoring import scorecard
-from lla.train import models
 
 CAPTURE = "capture"
 RUN = "run"
@@ -94,10 +94,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise RealWeightsError(f"{run_dir}: finished run fails verification: " + "; ".join(problems))
     return files.read_json(card_file)
 
-  path = models.gguf_path(config.model)
-  tokenizer = models.tokenizer(config.model)
-  model = load_model(ml_collections.ConfigDict({"gguf": path}))
+  model = loading.load_model(config.model)
   d = config.data
+  # The model's own tokenizer; a GPT-2's is the data directory's.
+  tokenizer = (model.text_tokenizer("token files, which this study does not take")
+               or tokenizer_lib.load_tokenizer(paths.resolve_data_dir(d.data_dir)))
+  # A GGUF file is pinned as the file itself (a package's is found inside it).
+  path = loading.gguf_path(config.model)
+  source = {"gguf": path} if path else loading.source_of(config.model)
   prefix = tokenizer.known_prefix
   text_len = d.seq_len - len(prefix)
   documents, doc_index = passages(paragraphs(d.data_dir, "test", d.min_chars),
@@ -128,7 +132,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   store.reuse_or_write(capture_dir, write, expected={
       "T.model_id": model.model_id, "T.cut": config.cut, "C.split_hashes": split_hashes})
   attacker = replay.Attacker(model.params, model.cfg, model.model_id, calibration, "public",
-                             {"gguf": path})
+                             source)
   # One seal for the attacks and the scorecard together.
   with rundir.extending(run_dir, always_finalize=True):
     replay.replay(run_dir, capture_dir, attacker, list(config.attacks),

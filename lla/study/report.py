@@ -20,7 +20,7 @@ from lla.evidence import rundir  # noqa: E402
 from lla.sweep import frontier as flops_frontier  # noqa: E402
 from lla.scoring import scorecard  # noqa: E402
 from lla.study import seed_figures  # noqa: E402
-from lla.train import models  # noqa: E402
+from lla.model import loading  # noqa: E402
 
 REPORT_FILE = "report.md"
 
@@ -320,7 +320,7 @@ def flop_frontier_section(config, workdir: pathlib.Path, out: pathlib.Path) -> l
 
 def _weights_note(model) -> str:
   """Where a published model's weights came from, when they are not an lla checkpoint."""
-  if models.is_gguf(model):
+  if loading.first_source(model) in ("gguf", "gguf_package"):
     return (f" (GGUF file {model.get('gguf') or 'of the package ' + model.gguf_package}, "
             "dequantised to float32; its own tokenizer)")
   return f" (hf_dir {model.hf_dir})" if model.get("hf_dir") else ""

@@ -3,7 +3,7 @@
 GPT-2 124M, WikiText-2, k = 6, public client layers, 256 evaluation documents.
 """
 
-from lla.train import models
+from lla.model import loading
 
 TOKEN_RECOVERY = {
     "joint": 0.9738,
@@ -26,7 +26,7 @@ SECRET_MIXUP_EXACT_DOC_MAX = 0.0148  # at +26.9-31.8% perplexity
 def why_different(model) -> str:
   """Why this job's figures may differ from the seed's: its model (`model`, a
   configs/models.py config) against the seed's GPT-2 124M."""
-  if models.is_gguf(model):
+  if loading.first_source(model) in ("gguf", "gguf_package"):
     what = (f"{model.name}, published weights read from a GGUF file (its own architecture and "
             "tokenizer), fine-tuned here briefly")
   elif model.name == "gpt2_124m":

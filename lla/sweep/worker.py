@@ -35,7 +35,6 @@ from lla.defenses import training
 from lla.evidence import files, rundir
 from lla.model.loading import load_model
 from lla.study import defense_sweep
-from lla.train import models
 
 CAPTURES = "captures"
 STUDY = "study"
@@ -86,7 +85,6 @@ class Worker:
     self.study = str(self.workdir / STUDY)
     self._models: dict = {}
     self._data: dict = {}
-    self._tokenizers: dict = {}
     self._workspaces: collections.OrderedDict = collections.OrderedDict()
     self._max_workspaces = max_workspaces
 
@@ -96,8 +94,11 @@ class Worker:
     c = cell.config
     registry.load_plugins(c["plugins"])
     target = self._model(c["target"])
+    # The target's own tokenizer cuts the documents (a fine-tuned checkpoint keeps its
+    # base's); token files need none.
     tokens, ids, calibration, corpus, split_hashes, known_prefix = self._splits(
-        c["data"], self._tokenizer(c))
+        c["data"], None if c["data"]["tokens_npy"] else target.text_tokenizer(
+            "data.tokens_npy and data.calibration_npy"))
     capture_dir = self._capture(c, target, tokens, ids, corpus, split_hashes, known_prefix)
     public = c["knowledge"] == "public"
     attacker_config = c["target"] if public else c["pretrained"]
@@ -130,18 +131,6 @@ class Worker:
     if key not in self._models:
       self._models[key] = load_model(ml_collections.ConfigDict(model))
     return self._models[key]
-
-  def _tokenizer(self, c: dict):
-    """The tokenizer that cuts a cell's documents: the target's own (a GGUF file's or an
-    hf_dir's tokenizer.json), else that of the pre-trained model it was fine-tuned from,
-    else None (the data directory's GPT-2 tokenizer, the models pre-trained here)."""
-    for model in (c["target"], c["pretrained"]):
-      key = json.dumps(model_source(model), sort_keys=True)
-      if key not in self._tokenizers:
-        self._tokenizers[key] = models.tokenizer(ml_collections.ConfigDict(model))
-      if self._tokenizers[key] is not None:
-        return self._tokenizers[key]
-    return None
 
   def _splits(self, data: dict, tokenizer=None):
     """(evaluation tokens [B, T], document ids, calibration tokens [N, T], corpus name,

@@ -24,7 +24,7 @@ from lla import data
 from lla.model import checkpoint as ckpt
 from lla.model import split
 from lla.train import loop
-from lla.train import models
+from lla.model import loading
 from lla.train.pretrain import json_config
 
 MANIFEST_FILE = "models.json"
@@ -60,6 +60,13 @@ def _differences(old, new, path: str) -> list[str]:
   return [] if old == new else [path]
 
 
+def base_provenance(base: loading.LoadedModel) -> dict:
+  """What a fine-tuned checkpoint records of its base: where it was loaded from and its
+  model id (`params_sha256`: the name records have carried since the id was the params'
+  hash alone; a GPT-2 preset's id still is), and the loader's info."""
+  return {"source": base.source, "params_sha256": base.model_id, "model": base.info}
+
+
 def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
              splits: data.Splits | None = None,
              base: tuple[dict, object, dict] | None = None,
@@ -70,7 +77,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     config: see configs/finetune.py.
     workdir: run directory; seed s goes to `workdir/seed_{s}`.
     splits: overrides `load_splits(**config.data)` (tests).
-    base: (params, cfg, provenance) overriding `models.load_base(config.model)` (tests).
+    base: the base model (`lla.model.loading.LoadedModel`; the main job's, tests'), else
+      `loading.load_model(config.model)` with its architecture checked. A tokenizer it brings
+      is saved in every fine-tuned checkpoint: the copy is cut, and identified, as the base.
     defense: an `lla.defenses` defense kept in the loop while fine-tuning (its mechanism
       on h, mixed labels, clipped gradients or the NoPeek term); recorded by its public
       description only.
@@ -92,7 +101,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     loss_inputs = secret.root_keys(defense.name) if defense.has_secret else None
   if splits is None:
     splits = data.load_splits_from_config(config.data)
-  params, cfg, provenance = models.load_base(config.model) if base is None else base
+  if base is None:
+    base = loading.load_model(config.model, check_architecture=True)
+  params, cfg, provenance = base.params, base.cfg, base_provenance(base)
   if not 1 <= config.k < cfg.n_layer:
     raise ValueError(f"cut k={config.k} must satisfy 1 <= k < n_layer={cfg.n_layer}")
   tokens = splits.training.tokens
@@ -127,7 +138,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       }
       return result.params, cfg, metadata
 
-    checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf)
+    checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf,
+                                        tokenizer=base.tokenizer)
     differ = _differences(checkpoint.metadata.get("run_config"), run_config, "run_config")
     if checkpoint.metadata["base"]["params_sha256"] != provenance["params_sha256"]:
       differ.append("base.params_sha256")

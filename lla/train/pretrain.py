@@ -24,7 +24,7 @@ from lla.model.gpt2 import param_count
 from lla.model import split
 from lla.model import checkpoint as ckpt
 from lla.train import loop
-from lla.train import models
+from lla.model import loading
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -75,7 +75,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   Raises:
     ValueError: the cached checkpoint was made with a different config or exclusion.
   """
-  cfg = models.architecture(config.model)
+  cfg = loading.architecture(config.model)
   run_config = json_config(config)
   if train_tokens is None:
     exclude = data.load_splits_from_config(config.data) if exclude is None else exclude
