@@ -28,13 +28,14 @@ from the vocabulary as transformers' GGUF conversion recovers them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pathlib
 import re
 
 import numpy as np
 
-from lla.model import families
+from lla.model import decoder, families
 from lla.model.decoder import DecoderConfig
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -134,12 +135,47 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _config(meta: dict, tensors: set[str], path: pathlib.Path) -> DecoderConfig:
+# The `{arch}.*` keys lla reads (below); every other one is refused by name, so that no key
+# that changes the function (logit soft-capping, attention scales, MoE, ALiBi, LayerNorm, ...)
+# is silently dropped. `rope.scaling.finetuned` only records how the model was trained.
+_READ_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
+    "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "attention.sliding_window", "attention.sliding_window_pattern",
+}
+# Llama-3.1/3.2's published llama3 RoPE parameters besides the factor; a GGUF stores the
+# per-frequency factors (`rope_freqs`), not these, so lla assumes them and checks the factors.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+class UnsupportedQuantisation(GGUFError):
+  """A tensor of a GGML type the `gguf` package cannot dequantise (one line)."""
+
+
+def _config(meta: dict, tensors: set[str], path: pathlib.Path,
+            rope_freqs: np.ndarray | None = None) -> DecoderConfig:
   arch = meta.get("general.architecture")
   if arch not in ARCHITECTURES:
     raise GGUFError(f"{path}: general.architecture {arch!r} is unsupported "
                     f"(lla reads {', '.join(ARCHITECTURES)})")
-  get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+  for key in sorted(meta):
+    if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in _READ_KEYS:
+      raise GGUFError(f"{path}: {key}={meta[key]!r} is unsupported (lla's decoder does not "
+                      "implement what it sets)")
+
+  def get(key, default=None):
+    value = meta.get(f"{arch}.{key}", default)
+    if isinstance(value, list):  # per-layer values (e.g. head counts varying by layer)
+      raise GGUFError(f"{path}: {arch}.{key} varies by layer, which is unsupported")
+    return value
+
+  for key in ("embedding_length", "attention.head_count", "feed_forward_length", "block_count"):
+    if get(key) is None:
+      raise GGUFError(f"{path}: {arch}.{key} is missing")
   d, heads = int(get("embedding_length")), int(get("attention.head_count"))
   vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
   raw = {
@@ -154,44 +190,89 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path) -> DecoderConfig:
       "tie_word_embeddings": "output.weight" not in tensors,
       "attention_bias": "blk.0.attn_q.bias" in tensors,
   }
+  if get("attention.value_length") not in (None, raw["head_dim"]):
+    raise GGUFError(f"{path}: {arch}.attention.value_length={get('attention.value_length')} != "
+                    f"key_length={raw['head_dim']} is unsupported (one head_dim for q, k and v)")
   scaling = get("rope.scaling.type")
   if scaling not in (None, "none"):
     if scaling != "linear":
       raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is unsupported (linear only)")
     raw["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-  if "rope_freqs.weight" in tensors:
-    raise GGUFError(f"{path}: rope_freqs.weight (llama3 RoPE factors stored as a tensor) is unsupported")
+  if rope_freqs is not None:
+    if scaling not in (None, "none"):
+      raise GGUFError(f"{path}: rope_freqs.weight and {arch}.rope.scaling.type {scaling!r} together "
+                      "are unsupported")
+    if rope_freqs.shape != (raw["head_dim"] // 2,):
+      raise GGUFError(f"{path}: rope_freqs.weight has shape {rope_freqs.shape}, expected "
+                      f"({raw['head_dim'] // 2},)")
+    if np.any(rope_freqs != 1):
+      raw["rope_scaling"] = {
+          "rope_type": "llama3", "factor": float(rope_freqs.max()), **_LLAMA3_ROPE,
+          "original_max_position_embeddings": int(get("rope.scaling.original_context_length")
+                                                  or _LLAMA3_ROPE["original_max_position_embeddings"])}
   if get("rope.dimension_count") not in (None, raw["head_dim"]):
     raise GGUFError(f"{path}: {arch}.rope.dimension_count={get('rope.dimension_count')} < "
                     f"head_dim={raw['head_dim']} (partial rotary) is unsupported")
+  pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
   if arch == "gemma3":
     raw["hidden_activation"] = "gelu_pytorch_tanh"
     raw["sliding_window"] = int(get("attention.sliding_window") or 0) or None
+    if isinstance(pattern, list):  # llama.cpp's per-layer form: true = windowed
+      raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern is not None:  # every `pattern`-th layer full, as llama.cpp's set_swa_pattern
+      raw["sliding_window_pattern"] = int(pattern)
     blocks = raw["num_hidden_layers"]
     raw["query_pre_attn_scalar"] = d // heads if blocks == 62 else raw["head_dim"]
-  elif get("attention.sliding_window"):
-    raise GGUFError(f"{path}: {arch}.attention.sliding_window is unsupported in GGUF files")
+  else:
+    for key in ("attention.sliding_window", "attention.sliding_window_pattern"):
+      if meta.get(f"{arch}.{key}") is not None:
+        raise GGUFError(f"{path}: {arch}.{key} is unsupported in {arch} GGUF files")
   try:
-    return families.config_from_hf(raw)
+    cfg = families.config_from_hf(raw)
   except families.UnsupportedField as e:
     raise GGUFError(f"{path}: {e}") from None
+  if cfg.rope_type == "llama3":
+    # The factors lla's llama3 RoPE implies (unscaled / scaled inverse frequencies) must be the
+    # file's: a `rope_freqs` of other low/high frequency factors is refused, not approximated.
+    implied = decoder.inv_freq(cfg.replace(rope_type="default")) / decoder.inv_freq(cfg)
+    if not np.allclose(implied, rope_freqs, rtol=1e-5, atol=0):
+      raise GGUFError(f"{path}: rope_freqs.weight is not llama3 RoPE scaling of factor "
+                      f"{cfg.rope_factor:g} with Llama-3's low/high frequency factors "
+                      f"{cfg.rope_low_freq_factor:g}/{cfg.rope_high_freq_factor:g} and original "
+                      f"context {cfg.rope_original_max_positions} (largest deviation "
+                      f"{np.max(np.abs(implied / rope_freqs - 1)):.2g})")
+  return cfg
+
+
+def _dequantize(tensor, path: pathlib.Path) -> np.ndarray:
+  import gguf
+  try:
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+  except NotImplementedError:
+    raise UnsupportedQuantisation(
+        f"{path}: tensor {tensor.name!r} is of GGML type {tensor.tensor_type.name}, which the "
+        "`gguf` package cannot dequantise; requantise the file (e.g. llama.cpp's llama-quantize "
+        "to Q8_0)") from None
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
   """Reads, dequantises and converts a GGUF file -> (params, cfg, info)."""
   path = pathlib.Path(path)
-  import gguf
-
   reader = _reader(path)
   meta = _fields(reader)
   names = {t.name for t in reader.tensors}
-  cfg = _config(meta, names, path)
+  # Llama-3.1/3.2: llama.cpp's converter stores the llama3 RoPE scaling as per-frequency factors.
+  rope_freqs = next((_dequantize(t, path).reshape(-1) for t in reader.tensors
+                     if t.name == "rope_freqs.weight"), None)
+  cfg = _config(meta, names, path, rope_freqs)
   arch = meta.get("general.architecture")
   permute = arch == "llama"
   layer_names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norms else _LAYER_NAMES
   types: collections.Counter = collections.Counter()
   hf: dict[str, np.ndarray] = {}
   for tensor in reader.tensors:
+    if tensor.name == "rope_freqs.weight":
+      continue  # read into cfg above
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", tensor.name)
     if match and match.group(2) in layer_names:
       name = f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
@@ -200,7 +281,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
     else:
       raise GGUFError(f"{path}: tensor {tensor.name!r} has no counterpart in a {cfg.family}")
     types[tensor.tensor_type.name] += 1
-    value = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    value = _dequantize(tensor, path)
     shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists ne0 (innermost) first
     value = value.reshape(shape)
     if permute and ".q_proj." in name:
@@ -230,39 +311,112 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, DecoderConfig, dict]:
   return params, cfg, info
 
 
+# From the families' published tokenizer.json files (the `tokenizers` spelling, which
+# llama.cpp adapts to its own regex engine, e.g. `(?i:'s)` as `'[sS]`):
+# Llama-3 (meta-llama/Meta-Llama-3-8B; transformers' TikTokenConverter default pattern):
+# letters with one leading non-letter, digits in runs of at most 3, punctuation runs with the
+# newlines after them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 (Qwen/Qwen2.5-*; transformers' Qwen2Tokenizer PRETOKENIZE_REGEX): Llama-3's with every
+# digit a piece of its own.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Tekken (mistralai/Mistral-Nemo-*'s tekken.json "pattern"): words split at case changes,
+# single digits, punctuation runs with the newlines and slashes after them.
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreTokenizer:
+  """How a byte-level BPE family cuts text before its merges (`tokenizer.ggml.pre`).
+
+  split: the regex whose matches (and the text between them) are the pieces, or None for
+    GPT-2's regex (`tokenizers`' ByteLevel(use_regex=True); llama.cpp's GPT2 expression);
+    digits: every digit a piece of its own first (SmolLM2's `Digits`);
+    nfc: text NFC-normalised first (Qwen2's tokenizer.json normalizer; llama.cpp omits it);
+    ignore_merges: a piece that is itself a vocabulary token is that token, whatever the
+    merges would make of it (Llama-3's tokenizer.json, tiktoken's semantics; llama.cpp sets it
+    for these values); add_bos: the BOS policy where the file has no
+    `tokenizer.ggml.add_bos_token` (llama.cpp's default for the value)."""
+  split: str | None = None
+  digits: bool = False
+  nfc: bool = False
+  ignore_merges: bool = False
+  add_bos: bool = False
+
+
+_LLAMA3 = PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+# The `tokenizer.ggml.pre` values lla implements; llama.cpp's llama-vocab.cpp names the same
+# values. "default" (no pre-tokenizer recorded: files older than llama.cpp's pre-tokenizer
+# table, and lla's test files) is GPT-2's regex, as transformers' GGUF loader reads it.
+PRE_TOKENIZERS = {
+    "default": PreTokenizer(), "gpt-2": PreTokenizer(),
+    "smollm": PreTokenizer(digits=True),
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+    "qwen2": PreTokenizer(_QWEN2_SPLIT, nfc=True),
+    "tekken": PreTokenizer(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
+}
+
+
+def _refuse_tokenizer_keys(meta: dict, path: pathlib.Path) -> None:
+  """Tokenizer keys that would change the ids and that lla's tokenizers do not implement."""
+  if meta.get("tokenizer.ggml.add_space_prefix"):
+    raise GGUFError(f"{path}: tokenizer.ggml.add_space_prefix=true is unsupported for "
+                    f"tokenizer.ggml.model {meta.get('tokenizer.ggml.model')!r}")
+  if len(meta.get("tokenizer.ggml.precompiled_charsmap", ())):
+    raise GGUFError(f"{path}: tokenizer.ggml.precompiled_charsmap (a SentencePiece normalizer) "
+                    "is unsupported")
+
+
 def gguf_tokenizer(path: str | os.PathLike):
   """The GGUF's own tokenizer as a `tokenizers.Tokenizer`, plus its BOS policy:
   (tokenizer, {"bos_token_id", "add_bos_token"}). The tokenizer never adds BOS; the caller
-  prepends it when `add_bos_token` is true."""
+  prepends it when `add_bos_token` is true. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`)
+  is cut by the `PRE_TOKENIZERS` entry of `tokenizer.ggml.pre`; an unknown value is refused."""
   path = pathlib.Path(path)
   meta = _fields(_reader(path))
   kind = meta.get("tokenizer.ggml.model")
-  policy = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
+  bos = meta.get("tokenizer.ggml.bos_token_id")
   if kind == "llama" and meta.get("general.architecture") == "gemma3":
-    return _gemma_tokenizer(meta), policy
+    _refuse_tokenizer_keys(meta, path)
+    # SentencePiece: llama.cpp adds BOS unless the file says otherwise.
+    return _gemma_tokenizer(meta), {"bos_token_id": bos, "add_bos_token": bool(
+        meta.get("tokenizer.ggml.add_bos_token", True))}
   if kind != "gpt2":
     raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} of architecture "
                     f"{meta.get('general.architecture')!r} is unsupported (byte-level BPE 'gpt2', "
                     "or Gemma-3's SentencePiece 'llama')")
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  pre_name = meta.get("tokenizer.ggml.pre", "default")
+  if pre_name not in PRE_TOKENIZERS:
+    raise GGUFError(f"{path}: tokenizer.ggml.pre {pre_name!r} is unsupported (lla implements "
+                    f"{', '.join(PRE_TOKENIZERS)})")
+  _refuse_tokenizer_keys(meta, path)
+  pre = PRE_TOKENIZERS[pre_name]
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
   tokens = list(meta["tokenizer.ggml.tokens"])
   merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-  bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False)
-  tokenizer = Tokenizer(bpe)
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if meta.get("tokenizer.ggml.pre") == "smollm":  # llama.cpp: digits split one by one
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                                   ignore_merges=pre.ignore_merges))
+  if pre.nfc:
+    tokenizer.normalizer = normalizers.NFC()
+  if pre.split is None:
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
   else:
-    tokenizer.pre_tokenizer = byte_level
+    steps = [pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+  if pre.digits:
+    steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
   tokenizer.decoder = decoders.ByteLevel()
   types = meta.get("tokenizer.ggml.token_type")
   if types is not None:  # control / user-defined tokens match whole
-    from tokenizers import AddedToken
     special = [tokens[i] for i, t in enumerate(types) if int(t) in (3, 4)]
     tokenizer.add_special_tokens([AddedToken(s, special=True) for s in special])
-  return tokenizer, policy
+  return tokenizer, {"bos_token_id": bos,
+                     "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))}
 
 
 def _gemma_tokenizer(meta: dict):
