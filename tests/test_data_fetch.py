@@ -30,8 +30,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lla.data import corpora
 from lla.data import fetch
 from lla.data import paths
+from lla.data import tokenizer as tokenizer_lib
+from lla.protocol import tuple as protocol
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 WIKITEXT_REVISION = "b08601e04326c79dfdd32d625aee71d232d685c3"
@@ -260,3 +263,24 @@ def test_identify_names_the_copy_of_a_corpus(data_dir, tmp_path):
   changed = tmp_path / "train.txt"
   changed.write_bytes(splits["wikitext-2/train.txt"].read_bytes().replace(b"lobster", b"lobstar", 1))
   assert fetch.identify({**splits, "wikitext-2/train.txt": changed}) == fetch.UNRECOGNISED
+
+
+def test_the_corpus_records_its_copy_and_e_names_it_only_when_known(data_dir, tmp_path):
+  tokenizer = tokenizer_lib.load_tokenizer(data_dir)
+  assert corpora.WikiText2(tokenizer, data_dir=data_dir).metadata()["copy"] == "shared-repacked"
+  # The same splits with one word of train changed are no recorded copy.
+  other = tmp_path / "other"
+  (other / "wikitext-2").mkdir(parents=True)
+  for split in ("valid", "test"):
+    (other / "wikitext-2" / f"{split}.txt").symlink_to(data_dir / "wikitext-2" / f"{split}.txt")
+  (other / "wikitext-2" / "train.txt").write_bytes(
+      (data_dir / "wikitext-2" / "train.txt").read_bytes().replace(b"lobster", b"lobstar", 1))
+  assert corpora.WikiText2(tokenizer, data_dir=other).metadata()["copy"] == fetch.UNRECOGNISED
+
+  target = protocol.Target(model_id="m", cut=1, n_layer=2)
+  before = protocol.make(T=target, C=protocol.Corpora(seq_len=32))
+  assert "copy" not in before.to_dict()["C"]  # an E without a copy keeps the hash it had
+  named = protocol.make(T=target, C=protocol.Corpora(seq_len=32, copy="shared-repacked"))
+  assert named.to_dict()["C"]["copy"] == "shared-repacked"
+  assert named.sha256() != before.sha256()
+  assert protocol.ProtocolTuple.from_dict(named.to_dict()) == named

@@ -112,7 +112,7 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
                    extra_metadata: dict | None = None,
                    attacker: protocol.Attacker | None = None,
                    extra_files: dict[str, bytes] | None = None,
-                   known_prefix: tuple[int, ...] = ()) -> str:
+                   known_prefix: tuple[int, ...] = (), corpus_copy: str = "") -> str:
   """Runs the split on `tokens` [B, T] and writes a capture; returns its manifest sha256.
 
   Args:
@@ -126,6 +126,8 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
       (store.write_capture).
     known_prefix: the tokens every document starts with, public (the model's BOS; E.C):
       attacks may start after them and they are never scored.
+    corpus_copy: which recorded copy of the corpus the documents were cut from (E.C.copy,
+      `Splits.copy`); "" where the corpus has none.
   """
   tokens = check_tokens(tokens, cfg)
   known_prefix = check_known_prefix(tokens, known_prefix)
@@ -143,7 +145,7 @@ def capture_target(directory: str, params, cfg: GPT2Config, tokens: np.ndarray,
       O=protocol.Observations(activations=True, gradients=g is not None),
       C=protocol.Corpora(name=corpus, seq_len=int(tokens.shape[1]),
                          split_hashes=protocol.frozen(split_hashes or {}),
-                         known_prefix=known_prefix))
+                         known_prefix=known_prefix, copy=corpus_copy))
   num_docs = tokens.shape[0]
   metadata = {
       # Deterministic by default, so the same target and documents capture to the same bytes.

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from lla.data import fetch
 from lla.data import paths
 from lla.data import tokenizer as tokenizer_lib
 
@@ -188,7 +189,10 @@ class WikiText2(Corpus):
         files[split] = str(self.file(split).relative_to(self.data_dir))
       except paths.DataNotFoundError:
         files[split] = None
-    return {"corpus": self.name, "source": str(self.data_dir), "files": files}
+    # The recorded copy the three splits form (lla.data.fetch.COPIES), whatever their file names.
+    copy = (fetch.identify({fetch.WIKITEXT_FILES[split]: self.file(split) for split in SPLITS})
+            if all(files.values()) else fetch.UNRECOGNISED)
+    return {"corpus": self.name, "source": str(self.data_dir), "files": files, "copy": copy}
 
 
 class WikiText2Hub(Corpus):

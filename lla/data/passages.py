@@ -127,6 +127,12 @@ class Splits:
     """Tokens of text per passage (T less the known prefix): the windows' length."""
     return self.seq_len - len(self.known_prefix)
 
+  @property
+  def copy(self) -> str:
+    """Which recorded copy of the corpus's files the passages come from (E.C.copy); "" where
+    the corpus records none (the generated ones)."""
+    return self.provenance.get("corpus", {}).get("copy", "")
+
   def items(self) -> tuple[tuple[str, Passages], ...]:
     return tuple((name, getattr(self, name)) for name in SPLIT_NAMES)
 

@@ -99,6 +99,11 @@ class Corpora:
   # may start after them and no position among them is scored. Left out of E's JSON when
   # empty, so that every E without one keeps the hash it had before the field existed.
   known_prefix: tuple[int, ...] = ()
+  # Which recorded copy of the corpus's files the passages were cut from (lla.data.fetch.COPIES:
+  # "hub-canonical", "shared-repacked", or "unrecognised"): copies of one corpus may hold the
+  # same text in another order, which draws other passages. Left out of E's JSON when empty
+  # (a corpus with no recorded copies, or an E from before the field), like known_prefix.
+  copy: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +146,8 @@ class ProtocolTuple:
                      for g in dataclasses.fields(component)}
     if not self.C.known_prefix:
       del out["C"]["known_prefix"]
+    if not self.C.copy:
+      del out["C"]["copy"]
     return out
 
   def canonical_json(self) -> bytes:
