@@ -46,7 +46,7 @@ from lla.scoring.policy import load_policy
 from lla.study import defense_sweep
 from lla.study import qualification as study_qualification
 from lla.train import finetune as finetune_lib
-from lla.train import models
+from lla.model import loading
 from lla.train import pretrain as pretrain_lib
 from lla.model import checkpoint as checkpoint_lib
 
@@ -93,7 +93,8 @@ class Target:
   model_seed: int
   checkpoint: pathlib.Path
   cfg: object
-  model_id: str
+  model_id: str           # identity in E (lla.model.loading.identify)
+  params_sha256: str      # its checkpoint's params
   attacker_source: dict   # lla.model.loading spec of the attacker's weights
   # Trained knowledge: the base model's (params, sha256), which the job holds anyway; None:
   # the attacker holds the target's exact client layers (public knowledge).
@@ -102,7 +103,7 @@ class Target:
 
   @property
   def params(self) -> dict:
-    return self.resident.params(self.checkpoint, self.model_id)
+    return self.resident.params(self.checkpoint, self.params_sha256)
 
   def attacker(self, calibration: np.ndarray) -> replay.Attacker:
     params, model_id = (self.params, self.model_id) if self.base is None else self.base
@@ -142,24 +143,27 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
-def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits):
-  """((params, cfg, provenance), source) of the base: pre-trained here (never on this job's
-  training or evaluation passages, `splits`), or loaded (paper, a GGUF file)."""
-  model = config.model
-  gguf = models.gguf_path(model)
-  if gguf:
-    return models.load_base(model), {"gguf": gguf}
-  if not (model.hf_dir or model.hub or model.checkpoint):
-    checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain", exclude=splits)
-    model = ml_collections.ConfigDict(model.to_dict())
-    model.checkpoint = str(checkpoint.path)
-  source = {k: model[k] for k in ("hf_dir", "checkpoint", "hub") if model[k]}
-  return models.load_base(model), source
+def base_model(config: ml_collections.ConfigDict, workdir: pathlib.Path, splits,
+               loaded: loading.LoadedModel | None):
+  """(base, source) of the base (`lla.model.loading.LoadedModel`): `loaded` (paper, a GGUF
+  file: loaded before the splits, which its tokenizer cuts), else pre-trained here (never on
+  this job's training or evaluation passages, `splits`)."""
+  if loaded is not None:
+    return loaded, loading.source_of(config.model)
+  model = ml_collections.ConfigDict(config.model.to_dict())
+  checkpoint = pretrain_lib.pretrain(config.pretrain, workdir / "pretrain", exclude=splits)
+  model.checkpoint = str(checkpoint.path)
+  return loading.load_model(model, check_architecture=True), loading.source_of(model)
+
+
+def target_id(checkpoint: checkpoint_lib.Checkpoint) -> str:
+  """A fine-tuned checkpoint's model id: its params with its config and tokenizer."""
+  return loading.identify(checkpoint.sha256, checkpoint.cfg, checkpoint.tokenizer)[0]
 
 
 def fine_tuned_targets(config, workdir: pathlib.Path, splits, base, base_source) -> list[Target]:
   targets = []
-  base_params, _, provenance = base
+  base_params, base_id = base.params, base.model_id
   resident = checkpoint_lib.Resident(RESIDENT_COPIES)
   for cut, knowledge in config.settings:
     ft = ml_collections.ConfigDict(config.finetune.to_dict())
@@ -171,10 +175,9 @@ def fine_tuned_targets(config, workdir: pathlib.Path, splits, base, base_source)
       # Public: the attacker holds the target's exact client layers; trained: only the base.
       public = knowledge == "public"
       targets.append(Target(int(cut), knowledge, seed, checkpoint.path, checkpoint.cfg,
-                            checkpoint.sha256,
+                            target_id(checkpoint), checkpoint.sha256,
                             {"checkpoint": str(checkpoint.path)} if public else base_source,
-                            None if public else (base_params, provenance["params_sha256"]),
-                            resident))
+                            None if public else (base_params, base_id), resident))
     del checkpoints, checkpoint  # Their params: restored again when a phase reads them.
   return targets
 
@@ -288,7 +291,7 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                  tokenizer) -> None:
   """Ridge inversion alone on each corpus (cut by `tokenizer`), k = corpus_study.cut, the
   base model."""
-  params, cfg, provenance = base
+  params, cfg, base_id = base.params, base.cfg, base.model_id
   cut = int(config.corpus_study.cut)
   for corpus in tqdm(config.corpus_study.corpora, desc="corpus study", unit="corpus"):
     splits = data.load_splits(**{**config.data.to_dict(), "corpus": corpus,
@@ -298,11 +301,11 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
     hashes = {n: p.sha256 for n, p in splits.items()}
     store.reuse_or_write(directory, lambda d, s=splits: capture.capture_target(
         d, params, cfg, s.evaluation.tokens, s.evaluation.document_ids, cut,
-        model_id=provenance["params_sha256"], corpus=s.corpus, split_hashes=hashes,
+        model_id=base_id, corpus=s.corpus, split_hashes=hashes,
         training=False, known_prefix=s.known_prefix, corpus_copy=s.copy),
-        expected={"T.model_id": provenance["params_sha256"], "T.cut": cut,
+        expected={"T.model_id": base_id, "T.cut": cut,
                   "C.split_hashes": hashes})
-    attacker = replay.Attacker(params, cfg, provenance["params_sha256"],
+    attacker = replay.Attacker(params, cfg, base_id,
                                splits.calibration.tokens, "public", base_source)
     replay.replay(str(study), str(directory), attacker, ["ridge"],
                   registry.relevant_budget(config.budget, ["ridge"]), 0,
@@ -381,15 +384,19 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
     return report.render(config, workdir)
 
   registry.load_plugins(config.plugins)
-  # The model's own tokenizer (a GGUF file's) cuts the same text into its own passages;
-  # None: GPT-2's, which the models pre-trained here use. Read before anything is written,
-  # so that a file lla cannot read, or weights nobody named, cost nothing.
-  models.check_weights(config.model)
-  tokenizer = models.tokenizer(config.model)
+  # A named base (a GGUF file, a directory, a checkpoint) is loaded, with its tokenizer,
+  # before anything is written, so that a file lla cannot read, weights nobody named or a
+  # model without a tokenizer cost nothing. Its tokenizer cuts the same text into its own
+  # passages; None: GPT-2's, which the models pre-trained here use.
+  loading.check_weights(config.model)
+  loaded = (loading.load_model(config.model, check_architecture=True)
+            if loading.source_of(config.model) else None)
+  tokenizer = None if loaded is None else loaded.text_tokenizer(
+      "token files, which the main job does not take")
   _log_invocation(workdir, "started_unix", start)
   _phase(workdir, "pretrain / base model")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
-  base, base_source = base_model(config, workdir, splits)
+  base, base_source = base_model(config, workdir, splits, loaded)
   _phase(workdir, "fine-tune")
   targets = fine_tuned_targets(config, workdir, splits, base, base_source)
   if not rundir.started(str(study)):  # a create interrupted before its log entry: redone
