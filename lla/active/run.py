@@ -305,7 +305,7 @@ def write_capture(setup: Setup, server, cstate: dict, sstate: dict, name: str, k
         split_hashes={n: p.sha256 for n, p in setup.splits.items()}, training=True,
         batch_size=size, messages=(np.concatenate(hs), np.concatenate(gs)),
         extra_metadata={"active": active}, attacker=attacker, extra_files=extra_files,
-        known_prefix=setup.splits.known_prefix)
+        known_prefix=setup.splits.known_prefix, corpus_copy=setup.splits.copy)
 
   return store.reuse_or_write(directory, write)
 

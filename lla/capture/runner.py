@@ -106,13 +106,14 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
   if user_tokens is not None:
     tokens = capture.check_tokens(user_tokens, model.cfg,
                                   f"--config.data.tokens_npy={config.data.tokens_npy}")
-    ids, corpus = np.arange(tokens.shape[0]), "custom"
+    ids, corpus, corpus_copy = np.arange(tokens.shape[0]), "custom", ""
     hashes = {"evaluation": token_sha256(tokens)}
   else:
     data = {k: v for k, v in config.data.to_dict().items() if k != "tokens_npy"}
     splits = data_load.load_splits(
         **data, tokenizer=model.text_tokenizer("--config.data.tokens_npy=TOKENS.npy"))
     tokens, ids, corpus = splits.evaluation.tokens, splits.evaluation.document_ids, splits.corpus
+    corpus_copy = splits.copy
     tokens = capture.check_tokens(tokens, model.cfg, f"the {corpus} evaluation split")
     hashes = {name: p.sha256 for name, p in splits.items()}
   defense_args = {}
@@ -131,7 +132,7 @@ def capture_from_config(config: ml_collections.ConfigDict, workdir: str) -> str:
       workdir, model.params, model.cfg, tokens, ids, int(config.cut), model_id=model.model_id,
       corpus=corpus, split_hashes=hashes, training=bool(config.training),
       batch_size=int(config.batch_size), session_id=config.session_id or None,
-      known_prefix=known_prefix,
+      known_prefix=known_prefix, corpus_copy=corpus_copy,
       # Family, format and dequantisation; a GPT-2's records are unchanged.
       extra_metadata={"model_source": model.source,
                       **({"model_info": model.info} if model.cfg.family != "gpt2" else {})},
