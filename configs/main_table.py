@@ -203,6 +203,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cell.pretrained = models.get_config(model_name)
   cell.data.update(config.data.to_dict())
   cell.data.n_eval = 256 if paper else (4 if tiny else 8)  # Documents per cell.
+  if not tiny:  # The calibration documents its ladders may draw (sweep.FRONTIER_CALIBRATION).
+    cell.data.n_calibration = sweep.FRONTIER_CALIBRATION["paper" if paper else "cpu"]
   cell.budget = ml_collections.ConfigDict(config.budget.to_dict())  # Each cell's attacks' part.
   cell.cut = config.primary_cut
   if tiny:  # The end-to-end test: three cheap families, ridge and beam search at 3 budgets.
@@ -213,6 +215,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.frontier.sweep.frontier.untabled = ()
     config.frontier.sweep.frontier.knobs = ()  # no iso-FLOP placement: the grids alone
     config.frontier.sweep.frontier.levels = ()
+    config.frontier.sweep.frontier.ladders = "table"  # none generated: levels from the runs
+    config.frontier.sweep.frontier.fixed = ()
   # Per-chunk attack working set on CPU; on GPU and TPU chunks are sized from the devices'
   # free memory (lla.attacks.memory.chunk_budget_bytes), this only when a device reports none.
   config.memory_budget_mb = 1024 if not paper else 16384

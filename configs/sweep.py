@@ -12,13 +12,17 @@ Variants (`:ARG`):
   cpu           k in {3, 6} x C in {8, 16, 32} x 2 seeds, three beam-search attacks on the
                 embedded target, 16 documents: 12 cells in 4 groups, for 2 CPU cores.
   frontier      every registered attack family at the primary setting (k = 6, public
-                knowledge, undefended), each attack placed at the "paper" FLOP levels of
-                `FRONTIER_LEVELS` (per document) by its FLOP model along its ladders of
-                `FRONTIER_KNOBS` (256 documents: for accelerators); then the FLOP-matched
-                report (lla.sweep.frontier) in WORKDIR/frontier, which compares every pair
-                of attacks at the levels they share.
-  frontier_cpu  the same at the "cpu" levels and ladders on 16 documents (2 CPU cores; the
-                main job runs it on 8).
+                knowledge, undefended), each attack's knob ladder generated from the target's
+                analytic costs and placed at FLOP levels derived from its attacks' floors
+                (lla.sweep.ladders; 256 documents, up to FRONTIER_CALIBRATION calibration
+                documents: for accelerators); then the FLOP-matched report (lla.sweep.frontier)
+                in WORKDIR/frontier, which compares every pair of attacks at the levels they
+                share and within each level's budget.
+  frontier_cpu  the same on 16 documents (2 CPU cores; the main job runs it on 8).
+  frontier_table, frontier_table_cpu
+                the same with the fixed ladders of `FRONTIER_KNOBS` at the fixed levels of
+                `FRONTIER_LEVELS` ("paper", "cpu"), tuned to one target (issue 23's frontier,
+                kept for comparison).
   test          one tiny cell; tests point `cell.target.hf_dir` and `cell.data.*_npy` at
                 their own files and set `grids`.
 
@@ -31,6 +35,7 @@ import ml_collections
 from configs import models
 from lla.attacks import registry
 from lla.data import load as data_load
+from lla.sweep import ladders as ladders_lib
 
 def _series(low: int, high: int) -> tuple[int, ...]:
   """1, 2, 3, 4, 6, 8, 12, ... (powers of two and their halfway 3 * 2^k) in [low, high]:
@@ -121,41 +126,60 @@ FRONTIER_LEVELS = {
     "paper": tuple(3e9 * 2**i for i in range(13)),  # 7.7e11 .. 3.1e15 on 256 documents
 }
 FRONTIER_TOLERANCE = 1.5
+# The calibration documents a target-placed frontier may draw from lla.data (its ladders'
+# cap: the "given" data; the table's ridge ladders reach as far). A sweep whose calibration
+# documents come from a .npy is capped by its rows.
+FRONTIER_CALIBRATION = {"cpu": 1536, "paper": 16384}
 PRIMARY = dict(cut=6, knowledge="public")  # The pre-registered primary setting.
 
 
-def frontier_plan(scale: str) -> tuple[tuple, tuple, tuple[str, ...]]:
+def frontier_plan(scale: str, ladders: str = "table") -> tuple[tuple, tuple, tuple[str, ...],
+                                                                 tuple[str, ...]]:
   """(grids of the attacks that run once, knob ladders of those placed at FLOP levels
   (config.frontier.knobs), attacks run at their defaults because their family has no knobs
-  here) for every registered attack that fits the primary setting's capture: a passive
-  attack (not a control, not defense-aware, not adaptive) on activations and gradients."""
-  grids, knobs, untabled = [], [], []
+  here, attacks that run once at a fixed cost (config.frontier.fixed)) for every registered
+  attack that fits the primary setting's capture: a passive attack (not a control, not
+  defense-aware, not adaptive) on activations and gradients. `ladders` "table": the
+  FRONTIER_KNOBS ladders at `scale`; "target": every attack lla.sweep.ladders knows gets an
+  empty entry, its ladder generated from the target when the sweep is placed."""
+  grids, knobs, untabled, fixed = [], [], [], []
   for spec in registry.specs():
     if (spec.role != "attack" or spec.tier != "passive" or spec.defense_aware
         or not registry.fits(spec, {"activations", "gradients"}, PRIMARY["knowledge"], "none")):
       continue
     family = FRONTIER_KNOBS.get(spec.family)
     if family is not None and spec.name not in family:
+      continue  # a variant the table leaves out (the same attacks in both modes)
+    if ladders == "target":
+      if spec.name not in ladders_lib.knobs():
+        untabled.append(spec.name)
+      if ladders_lib.knobs().get(spec.name):
+        knobs.append((spec.name, ()))
+      else:
+        grids.append((("attacks", ((spec.name,),)),))
+        fixed.append(spec.name)
       continue
     if family is None:
       untabled.append(spec.name)
-    ladders = {} if family is None else family[spec.name]
-    if not ladders:
+    table = {} if family is None else family[spec.name]
+    if not table:
       grids.append((("attacks", ((spec.name,),)),))
+      fixed.append(spec.name)
       continue
-    if len({len(values[scale]) for values in ladders.values()}) != 1:
+    if len({len(values[scale]) for values in table.values()}) != 1:
       raise ValueError(f"FRONTIER_KNOBS[{spec.family!r}][{spec.name!r}]: ladders of different "
                        "lengths (the paths move together)")
     knobs.append((spec.name, tuple((path, tuple(values[scale]))
-                                   for path, values in ladders.items())))
-  return tuple(grids), tuple(knobs), tuple(untabled)
+                                   for path, values in table.items())))
+  return tuple(grids), tuple(knobs), tuple(untabled), tuple(fixed)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
-  if variant not in ("cpu", "frontier", "frontier_cpu", "test"):
-    raise ValueError(f"unknown variant {variant!r}: cpu, frontier, frontier_cpu or test")
-  paper, test = variant == "frontier", variant == "test"
+  variants = ("cpu", "frontier", "frontier_cpu", "frontier_table", "frontier_table_cpu", "test")
+  if variant not in variants:
+    raise ValueError(f"unknown variant {variant!r}: {', '.join(variants)}")
+  paper, test = variant in ("frontier", "frontier_table"), variant == "test"
   config = ml_collections.ConfigDict()
   config.name = variant  # Recorded in the study's header.
   config.policy = "scorecard-policy.v3"  # Scoring policy named in the study's header (G).
@@ -205,13 +229,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.frontier.levels = ()
   config.frontier.tolerance = FRONTIER_TOLERANCE
   config.frontier.knobs = ()
+  # "target": the knobbed attacks' ladders (their empty knobs) generated from the target's
+  # analytic costs, and empty levels derived from the attacks' floors (lla.sweep.ladders);
+  # "table": the knobs and levels as given.
+  config.frontier.ladders = "table"
+  config.frontier.fixed = ()  # Attacks that run once (their floors count for the levels).
   if variant == "cpu":
     cell.attacks = ("ridge", "activation", "random_candidates")
     cell.budget.c_a, cell.budget.c_g = 4, 4
     config.grids = ((("cut", (3, 6)), ("budget.candidates", (8, 16, 32)), ("seed", (0, 1))),)
-  elif variant in ("frontier", "frontier_cpu"):
+  elif variant.startswith("frontier"):
     scale = "paper" if paper else "cpu"
-    config.grids, config.frontier.knobs, config.frontier.untabled = frontier_plan(scale)
-    config.frontier.levels = FRONTIER_LEVELS[scale]
+    config.frontier.ladders = "table" if "table" in variant else "target"
+    if config.frontier.ladders == "table":
+      config.frontier.levels = FRONTIER_LEVELS[scale]
+    else:
+      cell.data.n_calibration = FRONTIER_CALIBRATION[scale]
+    (config.grids, config.frontier.knobs, config.frontier.untabled,
+     config.frontier.fixed) = frontier_plan(scale, config.frontier.ladders)
     config.frontier.enabled = True
   return config

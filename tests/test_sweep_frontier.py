@@ -223,10 +223,30 @@ def test_markdown_shows_both_comparisons_labelled():
   assert "| f_a | g | 25.0% | 25.0% | 25.0% | 50.0% |" in text
   assert any(line.startswith("| a | b | -25.0 [") and "-50.0 [" in line and "(B<)" in line
              and "(A<, B<)" in line for line in lines)
-  assert f"| f_d | d | 4e+10 | 4e+10 | 0 of 4 | d's floor" in text
+  assert "| f_d | d | 4e+10 | 4e+10 |  |  | 0 of 4 | d's floor" in text
+  # What limits a floor and a ceiling, where the sweep's ladders say (report_options).
+  limits = {"a": {"floor": "one step", "ceiling": "the largest level"}}
+  text = "\n".join(frontier._markdown(POINTS, rows, set(), frontier.level_table(
+      POINTS, LEVELS, TOL), LEVELS, totals, "f.png", limits=limits))
+  assert "| f_a | a | 1.1e+09 | 4.2e+09 | one step | the largest level | 3 of 4 |  |" in text
 
 
 def test_figure_draws_both_panels(tmp_path):
   path = tmp_path / "f.png"
   frontier.figure(POINTS, str(path), LEVELS, TOL)
   assert path.stat().st_size > 10_000
+
+
+def test_report_options_name_what_limits_each_attack():
+  """frontier_cpu's ladders from its target (the embedded model, 16 documents, 1,536
+  calibration documents given): ridge's ceiling is the calibration data, a stepped attack's
+  the largest level, and gradient_only runs once."""
+  from configs import sweep  # pylint: disable=g-import-not-at-top
+  options = frontier.report_options(sweep.get_config("frontier_cpu"))
+  limits = options["limits"]
+  assert len(limits) == 11
+  assert limits["ridge"]["ceiling"] == "data.n_calibration at the 1536 calibration documents given"
+  assert limits["tag"]["ceiling"] == "the largest level"
+  assert limits["gradient_only"] == {"floor": frontier.ladders.FLOOR_WHY["gradient_only"],
+                                     "ceiling": "one run"}
+  assert options["levels"] and options["tolerance"] == 1.5

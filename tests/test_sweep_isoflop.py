@@ -8,12 +8,13 @@ running every rung; the frontier configs' ladders reaching every family's levels
 """
 
 import math
+import types
 
 import pytest
 
 from configs import main_table, sweep
 from lla.attacks import flops, registry
-from lla.sweep import cells, isoflop
+from lla.sweep import cells, isoflop, ladders
 
 
 def cost(k: float) -> float:
@@ -120,12 +121,106 @@ def test_an_attack_without_a_model_runs_every_rung(monkeypatch):
                                 (("attacks", (("tag",),)), ("budget.tag_steps", (7,))))
 
 
+@pytest.fixture
+def two_attack_ladders(monkeypatch, linear_model):
+  """activation (the linear model: calibration documents, then candidates) and tag (20k FLOPs
+  a step and document; steps alone) with ladders generated from the target."""
+  monkeypatch.setitem(flops._MODELS, "tag", flops.FlopModel(
+      lambda s, budget: 20e3 * budget["tag_steps"] * s.num_docs))
+  monkeypatch.setattr(ladders, "knobs", lambda: {
+      "activation": (ladders.Knob(("data.n_calibration",), None, ladders.GIVEN),
+                     ladders.Knob(("budget.candidates",), 1, None)),
+      "tag": (ladders.Knob(("budget.tag_steps",), 1, None),)})
+  c = config((("activation", ()), ("tag", ())), ())
+  c.frontier.ladders = "target"
+  return c
+
+
+def test_ladders_raise_the_knobs_in_turn_up_to_the_largest_level(two_attack_ladders,
+                                                                 monkeypatch):
+  base = two_attack_ladders.cell.to_dict()
+  # Tiny target: d = 32, T = 32, so the floor is 1 calibration document; 10 are given.
+  # 4 documents x 1000 x (10 + 5 C) + 100 x n: the floor (1, 1) costs 60.1k; then n and C
+  # in turn along 1, 2, 3, 4, 6, 8, ...; n stops at 8 (12 > 10 given); the first rung past
+  # 200k ends the ladder: C = 8 at 4000 x 50 + 800 = 200.8k.
+  lad = ladders.ladder(base, "activation", 200e3)
+  assert [(r["data.n_calibration"], r["budget.candidates"]) for r in lad.rungs] == [
+      (1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (4, 3), (4, 4), (6, 4), (6, 6), (8, 6), (8, 8)]
+  assert lad.predicted == pytest.approx([4000 * cost(c) + 100 * n for n, c in (
+      (1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (4, 3), (4, 4), (6, 4), (6, 6), (8, 6), (8, 8))])
+  assert (lad.floor, lad.ceiling, lad.ceiling_why) == (60.1e3, 200.8e3, "the largest level")
+  # The calibration documents alone, up to those given: the cap says what stopped it.
+  only_n = ladders.Knob(("data.n_calibration",), None, ladders.GIVEN)
+  monkeypatch.setattr(ladders, "knobs", lambda: {"activation": (only_n,)})
+  lad = ladders.ladder(base, "activation", 1e9)
+  assert [r["data.n_calibration"] for r in lad.rungs] == [1, 2, 3, 4, 6, 8]  # 12 > 10
+  assert lad.ceiling_why == "data.n_calibration at the 10 calibration documents given"
+
+
+def test_levels_derived_from_the_floors_and_placed(two_attack_ladders):
+  c = two_attack_ladders
+  # Floors per document: activation 60.1k / 4 = 15,025; tag 20k. Levels x2 from the
+  # cheapest floor to the first at or above the dearest, then one more.
+  assert isoflop.absolute_levels(c) == pytest.approx((60.1e3, 120.2e3, 240.4e3))
+  # The ladders reach 240.4k x 1.5 = 360.6k: activation's stops at its first rung past it
+  # (C = 16 at 4000 x 90 + 800 = 360.8k), tag's at 5 steps would be 400k: 1, 2, 3, 4, 6.
+  knobs = dict(isoflop._frontier(c)["knobs"])
+  assert knobs["tag"] == (("budget.tag_steps", (1, 2, 3, 4, 6)),)
+  assert dict(knobs["activation"])["budget.candidates"][-1] == 16
+  # Placed: tag's 1, 2 and 3 steps (80k, 160k, 240k) at 60.1k (x1.33), 120.2k and 240.4k.
+  tag = [(p.level, p.knobs) for p in isoflop.placements(c) if p.attack == "tag"]
+  assert tag == [(pytest.approx(60.1e3), {"budget.tag_steps": 1}),
+                 (pytest.approx(120.2e3), {"budget.tag_steps": 2}),
+                 (pytest.approx(240.4e3), {"budget.tag_steps": 3})]
+  # Levels the config fixes are kept.
+  c.frontier.levels = (50e3,)
+  assert isoflop.absolute_levels(c) == (200e3,)
+
+
+def test_min_calibration_leaves_d_rows_and_one_held_out_document():
+  cfg = lambda d: types.SimpleNamespace(n_embd=d)
+  # ceil(d / T) documents give the ridge d rows; SIP (sip_holdout 0.25) also needs one held
+  # out: round(0.25 n) >= 1 first at n = 3 (round(0.5) is 0).
+  assert ladders.min_calibration("ridge", {"cfg": cfg(128), "seq_len": 32}) == 4
+  assert ladders.min_calibration("sip", {"cfg": cfg(128), "seq_len": 32}) == 4
+  assert ladders.min_calibration("ridge", {"cfg": cfg(128), "seq_len": 128}) == 1
+  assert ladders.min_calibration("bisr_b", {"cfg": cfg(128), "seq_len": 128}) == 3
+
+
 @pytest.mark.parametrize("variant", ["cpu", "paper"])
-def test_frontier_ladders_reach_the_levels(variant):
-  """The main job's frontier at both scales: every knobbed attack placed at the levels its
-  ladder spans, each placement within the tolerance, and the families' placed ranges
-  overlapping (every pair of knobbed attacks shares a level)."""
+def test_frontier_ladders_from_the_target_reach_every_attack(variant):
+  """The main job's frontier at both scales, ladders from its target: every knobbed attack
+  placed, each placement within the tolerance; levels x2 apart from the cheapest floor, and
+  every attack's floor within the largest level's budget (every pair compared within a
+  budget); no rung draws more calibration documents than given."""
   c = main_table.get_config(variant).frontier.sweep
+  placed = isoflop.placements(c)
+  tolerance = isoflop.tolerance_of(c)
+  at = {}
+  for p in placed:
+    if p.rung is not None:
+      assert isoflop.within(p.predicted, p.level, tolerance)
+      at.setdefault(p.attack, set()).add(p.level)
+      assert p.knobs.get("data.n_calibration", 0) <= sweep.FRONTIER_CALIBRATION[variant]
+  assert set(at) == {name for name, _ in c.frontier.knobs}
+  levels = isoflop.absolute_levels(c)
+  assert all(b == pytest.approx(2 * a) for a, b in zip(levels, levels[1:]))
+  shape = isoflop.shape_of(c.cell.to_dict())
+  generated, _ = ladders.generate(c.cell.to_dict(), c.frontier.to_dict())
+  floors = [lad.floor for lad in generated.values()]
+  # gradient_only runs once: 2 B T V d, one vocabulary ranking.
+  floors.append(2.0 * shape["num_docs"] * shape["seq_len"] * 50257 * shape["cfg"].n_embd)
+  assert levels[0] == pytest.approx(min(floors))
+  assert max(floors) <= levels[-1] * tolerance
+
+
+@pytest.mark.parametrize("variant", ["frontier_table_cpu", "frontier_table"])
+def test_table_ladders_reach_the_levels(variant):
+  """The fixed ladders (FRONTIER_KNOBS, kept for comparison) on the embedded target and
+  GPT-2 small, as issue 23 tuned them: every knobbed attack placed at the levels its ladder
+  spans, each within the tolerance, and every pair of knobbed attacks sharing a level."""
+  c = sweep.get_config(variant)
+  assert c.frontier.ladders == "table"
   placed = isoflop.placements(c)
   tolerance = isoflop.tolerance_of(c)
   at = {}

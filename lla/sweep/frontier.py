@@ -56,6 +56,7 @@ from lla.evidence import files, rundir  # noqa: E402
 from lla.evidence.records import AttackRecord  # noqa: E402
 from lla.scoring import bootstrap, metrics  # noqa: E402
 from lla.sweep import isoflop  # noqa: E402
+from lla.sweep import ladders  # noqa: E402
 from lla.sweep import study as study_lib  # noqa: E402
 
 FIGURE, TABLE, MARKDOWN = "frontier.png", "frontier.json", "frontier.md"
@@ -291,9 +292,19 @@ def summary(rows: list[dict], levels, tolerance: float) -> dict:
 
 
 def report_options(config) -> dict:
-  """The levels (FLOPs per cell) and tolerance of a sweep config, for `report`; empty
-  levels (a sweep without them) leave `report` to derive its own."""
-  return {"levels": isoflop.absolute_levels(config), "tolerance": isoflop.tolerance_of(config)}
+  """The levels (FLOPs per cell), tolerance and, for ladders placed from the target, what
+  limits each attack's floor and ceiling (lla.sweep.ladders) of a sweep config, for
+  `report`; empty levels (a sweep without them) leave `report` to derive its own."""
+  frontier = config.frontier.to_dict()
+  limits = {}
+  if frontier.get("ladders") == "target":
+    generated, _ = ladders.generate(config.cell.to_dict(), frontier)
+    limits = {name: {"floor": ladders.FLOOR_WHY[name], "ceiling": lad.ceiling_why}
+              for name, lad in generated.items()}
+    limits.update({name: {"floor": ladders.FLOOR_WHY[name], "ceiling": "one run"}
+                   for name in frontier.get("fixed") or () if name in ladders.FLOOR_WHY})
+  return {"levels": isoflop.absolute_levels(config), "tolerance": isoflop.tolerance_of(config),
+          "limits": limits}
 
 
 def figure(all_points: list[Point], path: str, levels=(), tolerance: float = isoflop.TOLERANCE
@@ -347,11 +358,12 @@ def _knob_text(point: Point, varied: set[str]) -> str:
 
 
 def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLICATES,
-           figure_link: str = FIGURE, levels=(), tolerance: float = isoflop.TOLERANCE
-           ) -> list[str]:
+           figure_link: str = FIGURE, levels=(), tolerance: float = isoflop.TOLERANCE,
+           limits: dict | None = None) -> list[str]:
   """Writes the figure, the table (JSON) and frontier.md to out_dir; returns the markdown,
   whose image links to `figure_link` (the figure's path from where the markdown lands).
-  `levels`: FLOPs per cell at which attacks are compared (empty: `derived_levels`)."""
+  `levels`: FLOPs per cell at which attacks are compared (empty: `derived_levels`);
+  `limits`: per attack, what limits its floor and ceiling (`report_options`)."""
   all_points = points(study)
   if not all_points:
     raise ValueError(f"{study}: no measured run to draw")
@@ -372,12 +384,13 @@ def report(study: str, out_dir: str, n_replicates: int = bootstrap.DEFAULT_REPLI
       "within_budget": {attack: [None if p is None else {"cell_id": p.cell_id, "flops": p.flops,
                                                        "recovery": p.recovery} for p in runs]
                         for attack, runs in budget.items()},
-      "attacks": attack_ranges(all_points, levels, tolerance),
+      "attacks": {attack: dict(r, limits=(limits or {}).get(attack))
+                  for attack, r in attack_ranges(all_points, levels, tolerance).items()},
       "pairwise": rows, "summary": totals}, overwrite=True)
   text = "\n".join(_markdown(all_points, rows, fronts, table, levels, totals, FIGURE,
-                             budget)) + "\n"
+                             budget, limits)) + "\n"
   files.atomic_write_bytes(os.path.join(out_dir, MARKDOWN), text.encode(), overwrite=True)
-  return _markdown(all_points, rows, fronts, table, levels, totals, figure_link, budget)
+  return _markdown(all_points, rows, fronts, table, levels, totals, figure_link, budget, limits)
 
 
 def attack_ranges(all_points: list[Point], levels, tolerance: float) -> dict[str, dict]:
@@ -416,7 +429,8 @@ def _pair_rows(rows: list[dict], key: str, note: str, levels, shown: list[int]) 
 
 
 def _markdown(all_points: list[Point], rows: list[dict], fronts: set[int], table: dict,
-              levels, totals: dict, figure_link: str, budget: dict | None = None) -> list[str]:
+              levels, totals: dict, figure_link: str, budget: dict | None = None,
+              limits: dict | None = None) -> list[str]:
   """The section's lines: figure, runs (frontier points marked), each attack's floor and
   ceiling, recovery per level (iso-level, then within a budget), pairs at common levels and
   within a budget, each pair not compared with why."""
@@ -435,13 +449,17 @@ def _markdown(all_points: list[Point], rows: list[dict], fronts: set[int], table
   family = {p.attack: p.family for p in all_points}
   order = sorted(table, key=lambda a: (family[a], a))
   ranges = attack_ranges(all_points, levels, tolerance)
+  limits = limits or {}
   lines += ["", "### Each attack's floor and ceiling", "",
-            "Its cheapest and dearest recorded runs, and where they lie outside the levels.", "",
-            "| family | attack | floor | ceiling | levels reached | outside the levels |",
-            "|---|---|---|---|---|---|"]
+            "Its cheapest and dearest recorded runs, what limits each (for ladders placed "
+            "from the target, lla.sweep.ladders) and where they lie outside the levels.", "",
+            "| family | attack | floor | ceiling | floor: its cheapest meaningful run | "
+            "ceiling: limited by | levels reached | outside the levels |",
+            "|---|---|---|---|---|---|---|---|"]
   for attack in order:
-    r = ranges[attack]
+    r, why = ranges[attack], limits.get(attack, {})
     lines.append(f"| {family[attack]} | {attack} | {r['floor']:.3g} | {r['ceiling']:.3g} | "
+                 f"{why.get('floor', '')} | {why.get('ceiling', '')} | "
                  f"{len(r['levels'])} of {len(levels)} | {'; '.join(r['outside'])} |")
   shown = common_levels(table, levels)
   lines += ["", "### Token recovery at common FLOP levels (iso-level)", "",

@@ -11,6 +11,9 @@ A sweep config may name FLOP levels and, per attack, a ladder of knob values:
                              paths of one attack move together (rung i takes value i of
                              each), so a ladder may trade two knobs (e.g. fewer calibration
                              documents at the cheap end, then more epochs).
+  config.frontier.ladders    "target": an attack's empty knobs are generated from the
+                             target's costs, and empty levels derived from its attacks'
+                             floors (lla.sweep.ladders); "table" (or absent): as given.
 
 `resolve(config)` evaluates each attack's analytic FLOP model (lla.attacks.flops) at every
 rung on the base cell's shapes (target model, cut, documents, calibration documents; a
@@ -133,7 +136,13 @@ def _rungs(attack: str, knobs) -> int:
 
 
 def _frontier(config: ml_collections.ConfigDict) -> dict:
-  return (config.get("frontier") or ml_collections.ConfigDict()).to_dict()
+  """The config's frontier dict; with `ladders` "target", its empty knobs and levels filled
+  from the target's costs (lla.sweep.ladders)."""
+  frontier = (config.get("frontier") or ml_collections.ConfigDict()).to_dict()
+  if frontier.get("ladders") == "target":
+    from lla.sweep import ladders  # pylint: disable=g-import-not-at-top  (it imports isoflop)
+    frontier = ladders.from_target(config.cell.to_dict(), frontier)
+  return frontier
 
 
 def absolute_levels(config: ml_collections.ConfigDict) -> tuple[float, ...]:
