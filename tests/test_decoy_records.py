@@ -152,3 +152,71 @@ def test_capture_write_refuses_to_overwrite_and_read_checks_values(decoy, tmp_pa
     capture.write(str(tmp_path / "cap2"), messages["forward"], messages["gradient"], wrong,
                   metadata)
   assert not (tmp_path / "cap2").exists()
+
+
+class Crash(Exception):
+  """The injected failure between a decoy write and its log entry (or the next write)."""
+
+
+def _crash_on_append(monkeypatch, event_type: str) -> None:
+  """The first log append of `event_type` raises: its file is written, not logged."""
+  from lla.evidence import hashlog  # pylint: disable=g-import-not-at-top
+  original, fired = hashlog.HashLog.append, []
+
+  def append(self, event, time=None):
+    if event.get("type") == event_type and not fired:
+      fired.append(event["file"])
+      raise Crash(event["file"])
+    return original(self, event, time=time)
+
+  monkeypatch.setattr(hashlog.HashLog, "append", append)
+  return fired
+
+
+def _crash_before_record(monkeypatch) -> list:
+  """The first record is never written: its predictions are written and logged."""
+  fired = []
+
+  def save_record(run_dir, name, record):
+    fired.append(f"{rundir.PREDICTIONS}/{name}.npy")
+    raise Crash(name)
+
+  monkeypatch.setattr(rundir, "save_record", save_record)
+  return fired
+
+
+@pytest.mark.parametrize("point", ["predictions_unlogged", "record_not_written",
+                                   "record_unlogged"])
+def test_a_crash_at_each_decoy_write_point_resumes_to_a_verifying_study(decoy, tmp_path,
+                                                                        monkeypatch, point):
+  """The state after the crash, then a resume (the same write again) that reproduces the
+  uninterrupted records' predictions and leaves a study that verifies: a file written but
+  not logged is discarded (logged) and written again, never reused silently, and logged
+  predictions without their record no longer make the resume fail (FileExistsError)."""
+  root, _, config, _, written, predictions = decoy
+  directory = str(root / "decoy" / "capture_none")
+  study = str(tmp_path / "study")
+  pol = policy_lib.load_policy()
+  rundir.create_study(study, {"G": {"policy": pol.policy_id, "policy_sha256": pol.sha256}})
+  if point == "record_not_written":
+    fired = _crash_before_record(monkeypatch)
+  else:
+    fired = _crash_on_append(monkeypatch, point.split("_")[0])
+  with pytest.raises(Crash):
+    decoy_records.write(study, directory, config, 0, "none", predictions, 1.0)
+  monkeypatch.undo()
+  (left,) = fired
+  logged = rundir.logged_files(study)
+  # The state the crash left: the file is there, and logged only where it was logged first.
+  assert os.path.exists(os.path.join(study, left))
+  assert (left in logged) == (point == "record_not_written")
+  assert decoy_records.missing(study, config, 0, "none") == decoy_records.names(config)
+  again = decoy_records.write(study, directory, config, 0, "none", predictions, 1.0)
+  assert [r.prediction_sha256 for r in again] == [r.prediction_sha256 for r in written]
+  assert decoy_records.missing(study, config, 0, "none") == []
+  events = [e["event"] for e in rundir.log(study).entries()]
+  removed = [e["type"] for e in events if e.get("file") == left and e["type"] in rundir.REMOVALS]
+  # Predictions without a logged record are an orphan; a record the log lacks, unlogged.
+  assert removed == ["discard_unlogged" if point == "record_unlogged" else "discard_orphan"]
+  rundir.finalize(study)
+  assert rundir.verify(study) == []

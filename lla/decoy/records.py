@@ -49,9 +49,11 @@ def names(config) -> list[str]:
 
 
 def missing(study: str, config, seed: int, arm: str) -> list[str]:
-  """Modules of (seed, arm) whose record is not in the study yet."""
-  return [a for a in names(config) if not os.path.exists(
-      os.path.join(study, rundir.RECORDS, f"{file_name(seed, arm, a)}.json"))]
+  """Modules of (seed, arm) whose record the study's log does not hold yet (a record file
+  written but never logged is not there: `write` discards it and writes it again)."""
+  logged = rundir.logged_files(study)
+  return [a for a in names(config)
+          if f"{rundir.RECORDS}/{file_name(seed, arm, a)}.json" not in logged]
 
 
 def defense_params(config, arm: str) -> dict:
@@ -67,6 +69,10 @@ def write(study: str, directory: str, config, seed: int, arm: str, predictions: 
           wall_s: float) -> list[AttackRecord]:
   """Writes the predictions and records of one capture's attacks into `study` (skipping
   those already there); returns every record of the capture.
+
+  Resumable at every write: a record is reused only where the log holds it and its
+  predictions (lla.evidence.rundir.finished_record); a record or predictions left by an
+  interruption between a write and its log entry are discarded (logged) and written again.
 
   Args:
     directory: the capture (lla.decoy.capture, with its scored views).
@@ -103,9 +109,9 @@ def write(study: str, directory: str, config, seed: int, arm: str, predictions: 
   out = []
   for attack, family, predicted, baseline, view, budget in jobs:
     name = file_name(seed, arm, attack)
-    path = os.path.join(study, rundir.RECORDS, f"{name}.json")
-    if os.path.exists(path):
-      out.append(AttackRecord.load(path))
+    finished = rundir.finished_record(study, name)
+    if finished is not None:
+      out.append(finished)
       continue
     start = time.perf_counter()
     rel, pred_sha = rundir.save_predictions(study, name, predicted)

@@ -247,6 +247,38 @@ def save_record(run_dir: str, name: str, record) -> str:
   return rel
 
 
+def finished_record(run_dir: str, name: str):
+  """The stored record records/<name>.json if it finished and its predictions are intact;
+  None where the attack must run (again). What every resuming writer of records calls.
+
+  A crashed attack's record, a record written but never logged, and predictions whose
+  record was never logged (an interruption between two writes) are not results: they
+  are removed, logged (`retry`, `discard_unlogged`, `discard_orphan`), so that writing
+  them again succeeds. A logged file that differs from its log entry is refused.
+  """
+  rel_record, rel_predictions = f"{RECORDS}/{name}.json", f"{PREDICTIONS}/{name}.npy"
+  path = os.path.join(run_dir, rel_record)
+  if os.path.exists(path):
+    logged = logged_files(run_dir).get(rel_record)
+    if logged is None:
+      remove_file(run_dir, rel_record, "discard_unlogged")
+    elif logged[0] != files.sha256_file(path):
+      raise ValueError(f"{path}: differs from the sha256 the run's log recorded (line "
+                       f"{logged[1]}); refusing to resume over it: run verify")
+    else:
+      record = AttackRecord.load(path)
+      if record.status == "ok":
+        stored = resolve(run_dir, record.prediction_file)
+        if not os.path.exists(stored) or files.sha256_file(stored) != record.prediction_sha256:
+          raise ValueError(f"{stored}: predictions missing or changed since {path} was "
+                           "written; refusing to resume over them")
+        return record
+      remove_file(run_dir, rel_record, "retry", attack=name, previous_status=record.status)
+  if os.path.exists(os.path.join(run_dir, rel_predictions)):
+    remove_file(run_dir, rel_predictions, "discard_orphan")
+  return None
+
+
 def logged_files(run_dir: str) -> dict[str, tuple[str, int]]:
   """rel path -> (sha256, log line) of every file the log says is in the run now."""
   path = os.path.join(run_dir, LOG)

@@ -255,29 +255,7 @@ def _finished(run_dir: str, name: str) -> AttackRecord | None:
   interruption between the two writes), are not results: they are removed, logged, and
   the attack runs again.
   """
-  path = os.path.join(run_dir, rundir.RECORDS, f"{name}.json")
-  rel_record, rel_predictions = f"{rundir.RECORDS}/{name}.json", f"{rundir.PREDICTIONS}/{name}.npy"
-  if os.path.exists(path):
-    record = AttackRecord.load(path)
-    logged = rundir.logged_files(run_dir).get(rel_record)
-    if logged is None:
-      # Written but never logged: the run was interrupted between the two.
-      rundir.remove_file(run_dir, rel_record, "discard_unlogged")
-    elif logged[0] != files.sha256_file(path):
-      raise ValueError(f"{path}: differs from the sha256 the run's log recorded (line "
-                       f"{logged[1]}); refusing to resume over it: run verify")
-    elif record.status == "ok":
-      stored = rundir.resolve(run_dir, record.prediction_file)
-      if not os.path.exists(stored) or files.sha256_file(stored) != record.prediction_sha256:
-        raise ValueError(f"{stored}: predictions missing or changed since {path} was written; "
-                         "refusing to resume over them")
-      return record
-    else:
-      rundir.remove_file(run_dir, rel_record, "retry", attack=name,
-                         previous_status=record.status)
-  if os.path.exists(os.path.join(run_dir, rel_predictions)):
-    rundir.remove_file(run_dir, rel_predictions, "discard_orphan")
-  return None
+  return rundir.finished_record(run_dir, name)
 
 
 def batch_docs(metadata: dict) -> np.ndarray:
