@@ -61,9 +61,12 @@ _NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
 _GEMMA3_NAMES = {v: k for k, v in {**gguf_io._LAYER_NAMES, **gguf_io._SANDWICH_NAMES}.items()}
 
 
-def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
+def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False, extra=None,
+               as_float64=()):
   """`model` (transformers) as a GGUF file the way llama.cpp's converter writes it; `tokens`
-  is the vocabulary (default: V placeholder symbols, no merges)."""
+  is the vocabulary (default: V placeholder symbols, no merges); `extra(writer)` adds keys or
+  tensors; the tensors named in `as_float64` are stored as F64 (a type `gguf` cannot
+  dequantise)."""
   cfg = model.config
   tokens = tokens or [chr(0x100 + i) for i in range(V)]
   writer = gguf.GGUFWriter(str(path), arch)
@@ -92,6 +95,8 @@ def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
   writer.add_add_bos_token(add_bos)
+  if extra is not None:
+    extra(writer)
   for name, tensor in model.state_dict().items():
     w = tensor.numpy().astype(np.float32)
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -108,7 +113,9 @@ def write_gguf(model, arch: str, qtype, path, tokens=None, add_bos=False):
       w = _permute(w, cfg.num_key_value_heads)
     if arch == "gemma3" and out.endswith("norm.weight"):
       w = w + 1  # llama.cpp's Gemma converters store the (1 + w) its RMSNorm multiplies by
-    if w.ndim == 2 and w.shape[1] % 32 == 0:
+    if out in as_float64:
+      writer.add_tensor(out, w.astype(np.float64))
+    elif w.ndim == 2 and w.shape[1] % 32 == 0:
       writer.add_tensor(out, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     else:
       writer.add_tensor(out, w)
@@ -135,17 +142,24 @@ def hf_boundary(model, tokens: torch.Tensor, k: int):
   return leaf["h"].detach().numpy(), leaf["h"].grad.numpy()
 
 
-@pytest.mark.parametrize("arch", list(CASES))
-def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
-  config_cls, model_cls, extra, qtype = CASES[arch]
+def tiny(arch: str, **overrides):
+  """A random tiny transformers model of CASES[arch], norm weights moved off their init."""
+  config_cls, model_cls, extra, _ = CASES[arch]
   torch.manual_seed(0)
   source = model_cls(config_cls(**{**dict(
       vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-      max_position_embeddings=64, rms_norm_eps=1e-5), **extra})).eval()
+      max_position_embeddings=64, rms_norm_eps=1e-5), **extra, **overrides})).eval()
   with torch.no_grad():
     for p in source.parameters():
       if p.ndim == 1:
         p.add_(0.1 * torch.randn_like(p))
+  return source
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
+  _, model_cls, _, qtype = CASES[arch]
+  source = tiny(arch)
   write_gguf(source, arch, qtype, tmp_path / "model.gguf")
 
   params, cfg, info = gguf_io.load_gguf(tmp_path / "model.gguf")
@@ -195,6 +209,115 @@ def test_gguf_refusals(tmp_path):
   assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
   with pytest.raises(gguf_io.GGUFError, match="does not exist"):
     gguf_io.load_gguf(tmp_path / "missing.gguf")
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+  """The `rope_freqs` tensor llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes
+  for a llama3 `rope_scaling`: per frequency, 1 below the high-frequency wavelength, the
+  factor above the low-frequency one, and 1 / ((1 - s) / factor + s) between."""
+  rope = cfg.rope_parameters
+  dim = cfg.hidden_size // cfg.num_attention_heads
+  freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  old, low, high = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                    rope["high_freq_factor"])
+  factors = []
+  for freq in freqs:
+    wavelen = 2 * np.pi / freq
+    if wavelen < old / high:
+      factors.append(1.0)
+    elif wavelen > old / low:
+      factors.append(rope["factor"])
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+  return np.array(factors, np.float32)
+
+
+def _logits(source, params, cfg, tokens=TOKENS):
+  with torch.no_grad():
+    reference = source(torch.from_numpy(tokens).long()).logits.numpy()
+  return np.asarray(split.logits(params, cfg, jnp.asarray(tokens))), reference
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def test_llama3_rope_freqs_read_as_llama3_scaling(tmp_path):
+  """A Llama-3.1/3.2 GGUF: the llama3 RoPE scaling stored as `rope_freqs` (head_dim 16, base
+  5e5: four frequencies unscaled, one smoothed, three divided by 32) loads as lla's llama3
+  RoPE; the logits are those of the transformers model it was written from (float32
+  tensors, so nothing but the RoPE can differ), and differ from the unscaled RoPE's (512
+  positions, so that the slow frequencies turn). transformers' GGUF loader ignores
+  rope_freqs, so the source model is the reference."""
+  source = tiny("llama", rope_parameters=LLAMA3_ROPE, max_position_embeddings=1024)
+  tokens = np.random.default_rng(1).integers(0, V, (1, 512), dtype=np.int32)
+  factors = _llama3_rope_freqs(source.config)
+  assert list(factors[:4]) == [1.0] * 4 and 1 < factors[4] < 32 and list(factors[5:]) == [32.0] * 3
+  write_gguf(source, "llama", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf",
+             extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+  params, cfg, _ = gguf_io.load_gguf(tmp_path / "m.gguf")
+  assert (cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+          cfg.rope_original_max_positions) == ("llama3", 32.0, 1.0, 4.0, 8192)
+  ours, reference = _logits(source, params, cfg, tokens)
+  assert_close(ours, reference, RTOL, "llama3 logits")
+  unscaled, _ = _logits(source, params, cfg.replace(rope_type="default"), tokens)
+  assert np.max(np.abs(unscaled - reference)) > 10 * RTOL * np.max(np.abs(reference))
+  # Factors no llama3 scaling with Llama-3's low/high factors yields: one line, not a guess.
+  bent = factors.copy()
+  bent[4] *= 1.1
+  write_gguf(source, "llama", gguf.GGMLQuantizationType.F32, tmp_path / "bent.gguf",
+             extra=lambda w: w.add_tensor("rope_freqs.weight", bent))
+  with pytest.raises(gguf_io.GGUFError) as info:
+    gguf_io.load_gguf(tmp_path / "bent.gguf")
+  assert "\n" not in str(info.value) and "rope_freqs.weight" in str(info.value)
+
+
+@pytest.mark.parametrize("pattern", [3, [True, False, True, True, True, False]])
+def test_gemma3_sliding_window_pattern_is_read(pattern, tmp_path):
+  """`gemma3.attention.sliding_window_pattern`, as an int (every n-th layer full, llama.cpp's
+  set_swa_pattern) or per layer (true: windowed), decides which layers are windowed: lla's
+  logits are the transformers model's with those `layer_types` (window 8 < T = 16)."""
+  windowed = ([(i + 1) % pattern != 0 for i in range(6)] if isinstance(pattern, int)
+              else pattern)
+  source = tiny("gemma3", num_hidden_layers=6, layer_types=[
+      "sliding_attention" if w else "full_attention" for w in windowed])
+  write_gguf(source, "gemma3", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf",
+             extra=lambda w: w.add_sliding_window_pattern(pattern))
+  params, cfg, _ = gguf_io.load_gguf(tmp_path / "m.gguf")
+  assert cfg.window_layers == tuple(windowed)
+  ours, reference = _logits(source, params, cfg)
+  assert_close(ours, reference, RTOL, "gemma3 logits")
+
+
+@pytest.mark.parametrize("key,value,vtype", [
+    ("llama.final_logit_softcapping", 30.0, gguf.GGUFValueType.FLOAT32),
+    ("llama.attn_logit_softcapping", 50.0, gguf.GGUFValueType.FLOAT32),
+    ("llama.attention.value_length", 8, gguf.GGUFValueType.UINT32),
+    ("llama.attention.sliding_window", 4, gguf.GGUFValueType.UINT32),
+    ("llama.attention.sliding_window_pattern", 2, gguf.GGUFValueType.UINT32),
+    ("llama.rope.scaling.type", "yarn", gguf.GGUFValueType.STRING),
+    ("llama.expert_count", 4, gguf.GGUFValueType.UINT32),
+    ("llama.attention.scale", 0.5, gguf.GGUFValueType.FLOAT32),
+])
+def test_function_changing_keys_are_refused(key, value, vtype, tmp_path):
+  """A key lla's decoder does not implement is one line naming it, never dropped."""
+  write_gguf(tiny("llama"), "llama", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf",
+             extra=lambda w: w.add_key_value(key, value, vtype))
+  with pytest.raises(gguf_io.GGUFError) as info:
+    gguf_io.load_gguf(tmp_path / "m.gguf")
+  message = str(info.value)
+  assert "\n" not in message and key in message and "m.gguf" in message
+
+
+def test_unsupported_quantisation_is_one_line(tmp_path):
+  write_gguf(tiny("llama"), "llama", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf",
+             as_float64=("output_norm.weight",))
+  with pytest.raises(gguf_io.UnsupportedQuantisation) as info:
+    gguf_io.load_gguf(tmp_path / "m.gguf")
+  message = str(info.value)
+  assert "\n" not in message and "F64" in message and "output_norm.weight" in message
+  assert isinstance(info.value, gguf_io.GGUFError)  # what every binary turns into one line
 
 
 def _gemma_vocabulary() -> tuple[list[str], list[int]]:
