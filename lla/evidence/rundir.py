@@ -68,7 +68,8 @@ PROTOCOLS = "protocols"
 INPUTS = "inputs"
 SEALS = "seals"
 # Every file of these directories is written by a logged writer, so the log holds its hash.
-LOGGED_DIRS = (PREDICTIONS, RECORDS, INPUTS, PROTOCOLS)
+CELLS = "cells"  # a sweep study's finished cells (lla.sweep.study)
+LOGGED_DIRS = (PREDICTIONS, RECORDS, INPUTS, PROTOCOLS, CELLS)
 # Log events that remove a file they name (a crashed record retried, an orphan discarded).
 REMOVALS = ("retry", "discard_orphan", "discard_unlogged")
 # A file found written but not logged (a writer interrupted between the two) whose bytes equal

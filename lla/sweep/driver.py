@@ -66,6 +66,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, backend: str = "local",
       raise cells_lib.SweepConfigError(f"--cells: no cell {', '.join(unknown)} in this sweep")
     cells = [c for c in cells if c.cell_id in only]
   study = os.path.join(workdir, worker_lib.STUDY)
+  # One writer from the first check of the study to its seal: a second sweep on the same
+  # workdir is refused before it writes anything (its threat space included).
+  with rundir.locked(study, what="sweep"):
+    return _run_locked(cells, config, workdir, study, backend, start, backend_options)
+
+
+def _run_locked(cells, config, workdir, study, backend, start, backend_options) -> Summary:
   study_lib.open_study(study, config.policy, config.name)
   done = {c.cell_id: study_lib.finished(study, c) for c in cells}
   todo = [c for c in cells if done[c.cell_id] is None]

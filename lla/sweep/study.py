@@ -4,11 +4,15 @@
                     predictions/<cell_id>__<attack>.npy  records/<cell_id>__<attack>.json
                     cells/<cell_id>.json     (written last: the cell is finished)
 
-Only the driver writes here. A cell's predictions and records are written create-if-absent
-(a second write of the same file raises), then its cell file, which lists their hashes.
-On resume a cell whose cell file exists is skipped once its config hashes to its id and
-every file it lists has the listed hash; files of a cell without a cell file (the driver
-stopped mid-cell) are removed, logged, and the cell runs again.
+Only the driver writes here, holding the study's lock from its first check to the seal. A
+cell's predictions and records are written create-if-absent (a second write of the same
+file raises), then its cell file, which lists their hashes; each write is logged after it.
+`cells/` is one of the logged directories (lla.evidence.rundir.LOGGED_DIRS): verify checks
+every cell file against the log, and finalize discards one the log does not hold. On
+resume a cell is skipped once its cell file is in the log with its bytes, its config
+hashes to its id and every file it lists has the listed hash; a cell without a logged
+cell file (the driver stopped mid-cell, or between writing the cell file and logging it)
+has its files removed, logged, and runs again.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from lla.evidence.records import AttackRecord
 from lla.scoring.policy import load_policy
 from lla.sweep import cells as cells_lib
 
-CELLS = "cells"
+CELLS = rundir.CELLS
 SCHEMA = "lla.sweep_cell.v1"
 
 
@@ -59,6 +63,12 @@ def finished(study: str, cell: cells_lib.Cell) -> dict | None:
   path = cell_path(study, cell.cell_id)
   if not os.path.exists(path):
     return None
+  logged = rundir.logged_files(study).get(f"{CELLS}/{cell.cell_id}.json")
+  if logged is None:
+    return None  # Written, never logged: `discard_orphans` removes it and the cell reruns.
+  if logged[0] != files.sha256_file(path):
+    raise StudyError(f"{path}: differs from the sha256 the study's log recorded (line "
+                     f"{logged[1]}); refusing to resume over it: run verify")
   stored = files.read_json(path)
   if cells_lib.cell_id(stored["config"]) != cell.cell_id or stored["config"] != cell.config:
     raise StudyError(f"{path}: its config does not hash to {cell.cell_id}; refusing to resume")
@@ -83,7 +93,12 @@ def finished(study: str, cell: cells_lib.Cell) -> dict | None:
 
 
 def discard_orphans(study: str, cell: cells_lib.Cell) -> None:
-  """Removes (and logs) files of an unfinished cell: the driver stopped mid-cell."""
+  """Removes (and logs) files of an unfinished cell: the driver stopped mid-cell. Its cell
+  file, if one is there, was never logged (`finished`), and goes first: until every file
+  of the cell is gone the cell stays unfinished."""
+  rel = f"{CELLS}/{cell.cell_id}.json"
+  if os.path.exists(os.path.join(study, rel)):
+    rundir.remove_file(study, rel, "discard_unlogged", cell=cell.cell_id)
   for sub, suffix in ((rundir.PREDICTIONS, ".npy"), (rundir.RECORDS, ".json")):
     directory = os.path.join(study, sub)
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:

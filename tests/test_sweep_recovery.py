@@ -1,0 +1,137 @@
+"""A sweep crashed at each of its study's write points resumes to a study that verifies.
+
+One tiny cell (ridge on the scale-out tests' random GPT-2, k = 2) on the local backend, in
+this process. The crash is injected as in tests/test_evidence_recovery.py: the log's append
+of one event fails after its file was written ("raised": the driver's `extending` still
+finalizes the study on its way out; "killed": finalize is disabled too, as if the process
+died), or a write raises after the one before it was written and logged. The resumed
+sweep must run the cell again, write what an uninterrupted sweep writes (the same
+predictions, byte for byte) and leave a study that verifies; a cell file the log does not
+hold is never taken for a finished cell.
+"""
+
+import shutil
+
+import pytest
+
+from configs import sweep as sweep_config
+from lla.evidence import hashlog, rundir
+from lla.sweep import driver, study as study_lib
+
+import scaleout_inputs
+
+
+class Crash(Exception):
+  """The injected failure (an exception no writer catches)."""
+
+
+class Died(BaseException):
+  """The injected death of the process: nothing after it runs (finalize is disabled)."""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("sweep_recovery")
+  scaleout_inputs.main(root)
+  reference = root / "reference"
+  summary = driver.run(_config(root), str(reference))
+  assert summary.ran == 1 and rundir.verify(summary.study) == []
+  return root, reference
+
+
+def _config(root):
+  config = sweep_config.get_config("test")
+  cell = config.cell
+  cell.target.hf_dir = cell.pretrained.hf_dir = str(root / "hf")
+  cell.data.tokens_npy, cell.data.calibration_npy = str(root / "tokens.npy"), str(root / "cal.npy")
+  cell.capture_batch_size = 6
+  cell.attacks = ("ridge",)
+  return config
+
+
+def _predictions(workdir) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted((workdir / "study" / "predictions").iterdir())}
+
+
+def _crash_on_append(monkeypatch, event_type, mode):
+  original, error = hashlog.HashLog.append, Died if mode == "killed" else Crash
+  fired = []
+
+  def append(self, event, time=None):
+    if event.get("type") == event_type and not fired:
+      fired.append(event["file"])
+      if mode == "killed":
+        monkeypatch.setattr(rundir, "finalize", lambda *a, **k: None)
+      raise error(event_type)
+    return original(self, event, time=time)
+
+  monkeypatch.setattr(hashlog.HashLog, "append", append)
+  return error, fired
+
+
+def _crash_before(monkeypatch, name, prefix=""):
+  """`rundir.<name>` raises before it writes a file whose path starts with `prefix`: what
+  came before it is written and logged."""
+  original, fired = getattr(rundir, name), []
+
+  def fail(run_dir, rel, *args, **kwargs):
+    if rel.startswith(prefix) and not fired:
+      fired.append(rel)
+      raise Crash(name)
+    return original(run_dir, rel, *args, **kwargs)
+
+  monkeypatch.setattr(rundir, name, fail)
+  return Crash, fired
+
+
+@pytest.mark.parametrize("point, mode", [
+    ("cell", "raised"), ("cell", "killed"),          # the cell file written, not logged
+    ("record", "killed"), ("predictions", "killed"),  # a result written, not logged
+    ("before_record", "raised"),                     # predictions logged, no record
+    ("before_cell", "killed"),                       # results logged, no cell file
+])
+def test_a_crash_at_each_sweep_write_point_resumes_to_a_verifying_study(inputs, tmp_path,
+                                                                        monkeypatch, point,
+                                                                        mode):
+  root, reference = inputs
+  workdir = tmp_path / "sweep"
+  study = workdir / "study"
+  if point == "before_record":
+    error, fired = _crash_before(monkeypatch, "save_record")
+  elif point == "before_cell":
+    error, fired = _crash_before(monkeypatch, "save_file", f"{rundir.CELLS}/")
+  else:
+    error, fired = _crash_on_append(monkeypatch, point, mode)
+  with pytest.raises((error, driver.SweepError)):
+    driver.run(_config(root), str(workdir))
+  monkeypatch.undo()
+  assert fired
+  # What the crash left: a study that does not count the cell as finished.
+  (cell,) = driver.cells_lib.expand(_config(root))
+  assert study_lib.finished(str(study), cell) is None
+  if mode == "raised":  # finalized on the way out: sealed without the unlogged file
+    assert rundir.verify(str(study)) == []
+  summary = driver.run(_config(root), str(workdir))
+  assert (summary.ran, summary.skipped) == (1, 0)
+  assert rundir.verify(str(study)) == []
+  assert _predictions(workdir) == _predictions(reference)
+  assert study_lib.finished(str(study), cell) is not None
+  assert not (study / rundir.LOCK).exists()
+  # Resumed again: finished, nothing runs, nothing is written.
+  before = (study / rundir.LOG).read_bytes()
+  assert driver.run(_config(root), str(workdir)).skipped == 1
+  assert (study / rundir.LOG).read_bytes() == before
+
+
+def test_a_cell_file_written_outside_the_log_does_not_verify(inputs, tmp_path):
+  """An unlogged cell file is named by verify (cells/ is a logged directory), and a
+  finalize discards it before the seal."""
+  _, reference = inputs
+  study = tmp_path / "study"
+  shutil.copytree(reference / "study", study)
+  (extra,) = (study / "cells").glob("*.json")
+  copy = study / "cells" / "0000000000000000.json"
+  copy.write_bytes(extra.read_bytes())
+  problems = rundir.verify(str(study))
+  assert f"cells/{copy.name}: not in log.jsonl (written outside the run's logged writers)" in (
+      problems)
