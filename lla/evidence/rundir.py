@@ -71,7 +71,7 @@ SEALS = "seals"
 CELLS = "cells"  # a sweep study's finished cells (lla.sweep.study)
 LOGGED_DIRS = (PREDICTIONS, RECORDS, INPUTS, PROTOCOLS, CELLS)
 # Log events that remove a file they name (a crashed record retried, an orphan discarded).
-REMOVALS = ("retry", "discard_orphan", "discard_unlogged")
+REMOVALS = ("retry", "discard_orphan", "discard_unlogged", "supersede")
 # A file found written but not logged (a writer interrupted between the two) whose bytes equal
 # those re-derived from the writer's inputs: logged then with this event, naming the event
 # it was written for (`written_as`).
@@ -206,6 +206,18 @@ def _write_logged(run_dir: str, rel: str, data: bytes, event: dict, overwrite: b
       return sha
     remove_file(run_dir, rel, "discard_unlogged",
                 reason="written but never logged, and not the bytes its inputs give")
+  elif overwrite and rel in logged_files(run_dir) and files.sha256_file(path) != sha:
+    logged = logged_files(run_dir)[rel]
+    if files.sha256_file(path) != logged[0]:
+      raise ValueError(f"{path}: differs from the sha256 {LOG} recorded at line {logged[1]}; "
+                       "refusing to replace it: run verify")
+    # Replacing a logged file (a threat space, a scorecard): its removal is logged first,
+    # so that a crash between the new bytes and their entry leaves a file the log does not
+    # hold (discarded or recovered by the next writer, discarded by finalize), never a
+    # logged file whose bytes differ from the log, which verifies no more and so could
+    # never be reopened.
+    log(run_dir).append({"type": "supersede", "file": rel,
+                         "sha256_before": files.sha256_file(path)}, time=time)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   files.atomic_write_bytes(path, data, overwrite=overwrite)
   log(run_dir).append({"type": event["type"], "file": rel, "sha256": sha, **fields}, time=time)
@@ -278,6 +290,26 @@ def finished_record(run_dir: str, name: str):
   if os.path.exists(os.path.join(run_dir, rel_predictions)):
     remove_file(run_dir, rel_predictions, "discard_orphan")
   return None
+
+
+def read_logged_json(run_dir: str, rel: str):
+  """The JSON of run file `rel` as the log holds it: None where it is absent or was written
+  but never logged (an interrupted writer's leftover, which its next write discards or
+  recovers and finalize discards).
+
+  Raises:
+    ValueError naming the file when its bytes differ from the log's entry.
+  """
+  path = os.path.join(run_dir, rel)
+  if not os.path.exists(path):
+    return None
+  logged = logged_files(run_dir).get(rel)
+  if logged is None:
+    return None
+  if logged[0] != files.sha256_file(path):
+    raise ValueError(f"{path}: differs from the sha256 {LOG} recorded at line {logged[1]} "
+                     "(changed after it was written); run verify")
+  return files.read_json(path)
 
 
 def logged_files(run_dir: str) -> dict[str, tuple[str, int]]:

@@ -36,13 +36,15 @@ from lla.attacks import memory, registry
 from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.defenses import training, utility
-from lla.evidence import files
+from lla.evidence import files, rundir
 from lla.model import loading
 from lla.protocol import tuple as protocol
 from lla.scoring import gates
 from lla.train import finetune as finetune_lib
 
-UTILITY_FILE = "defense_utility.json"
+# The utility costs, a file of the study (logged, overwritten as costs are added; the
+# report's cost column reads it through the log).
+UTILITY_FILE = f"{rundir.INPUTS}/defense_utility.json"
 KEY_STORE = pathlib.Path("defender") / "secrets.json"
 # Step offsets of the secret's per-step keys: training uses steps 0.., so that capture and
 # utility draw randomness of their own.
@@ -188,8 +190,7 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   public = [t for t in targets if t.cut == cut and t.knowledge == "public"]
   tokens = splits.evaluation.tokens[:int(config.defense_docs)]
   ids = splits.evaluation.document_ids[:int(config.defense_docs)]
-  utility_path = workdir / UTILITY_FILE
-  costs = files.read_json(str(utility_path)) if utility_path.exists() else {}
+  costs = rundir.read_logged_json(str(study), UTILITY_FILE) or {}
   keys = KeyStore(workdir / KEY_STORE)
   jobs = [(c, t) for c in configurations(config) for t in public]
   for (name, param, strength), undefended in tqdm(jobs, desc="defenses", unit="capture"):
@@ -240,5 +241,7 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                     **utility.heldout_utility(target.params, target.cfg, tokens, cut, defense,
                                               secret, reference_params=reference,
                                               first_step=UTILITY_STEP, n_boot=2000)}
-      files.atomic_write_json(str(utility_path), costs, overwrite=True)
+      with rundir.extending(str(study)):
+        rundir.save_file(str(study), UTILITY_FILE, files.canonical_json(costs),
+                         "defense_utility", overwrite=True)
   return costs

@@ -344,8 +344,9 @@ def render(config, workdir) -> pathlib.Path:
   out = workdir / "report"
   out.mkdir(exist_ok=True)
   recovery_figure(card, out / "recovery.png")
-  utility_path = workdir / "defense_utility.json"
-  utility = json.loads(utility_path.read_text()) if utility_path.exists() else {}
+  # The study's own file, read through its log (lla.study.defense_sweep.UTILITY_FILE).
+  utility = rundir.read_logged_json(str(workdir / "study"),
+                                    f"{rundir.INPUTS}/defense_utility.json") or {}
   points = _defense_points(card, utility)
   (out / "frontier.json").write_text(json.dumps(points, indent=1, sort_keys=True) + "\n")
   frontier_figure(points, out / "frontier.png")
