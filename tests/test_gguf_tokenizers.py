@@ -28,11 +28,13 @@ import json
 import unicodedata
 
 import gguf
+import numpy as np
 import pytest
 import transformers
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+from transformers.tokenization_utils_base import generate_merges
 
 from lla.model import gguf_io
 
@@ -216,3 +218,67 @@ def test_unknown_pre_tokenizer_and_keys_are_refused(tmp_path):
       "tokenizer.ggml.add_space_prefix": (True, gguf.GGUFValueType.BOOL)})
   with pytest.raises(gguf_io.GGUFError, match="tokenizer.ggml.add_space_prefix"):
     gguf_io.gguf_tokenizer(tmp_path / "prefix.gguf")
+
+
+def _sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+  """A Llama-2-style SentencePiece vocabulary: <unk>/<s>/</s>, the 256 byte tokens, pieces
+  with U+2581 for spaces. The scores are shuffled against the file's order, so the merges
+  must follow the scores."""
+  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+  types = [2, 3, 3] + [6] * 256
+  pieces = (["\u2581"] + list("abcdefghijklmnopqrstuvwxyzHTW.!,0123456789")
+            + ["th", "he", "\u2581t", "\u2581the", "the", "in", "ing", "\u2581a", "an", "\u2581an",
+               "er", "\u2581th", "\u2581he", "at", "\u2581cat", "ca", "\u2581ca", "\u2581\u2581",
+               "on", "\u2581on", "ll", "llo", "He", "Hello", "\u2581w", "or", "\u2581wor",
+               "\u2581world", "!!", "12", "en", "end", "..", "...", "\u2581x", "af", "caf",
+               "\u2581caf", "\u2581caf\u00e9", "\u00e9", "\u2581na"])
+  scores = [0.0] * len(tokens) + list(
+      -np.random.default_rng(0).permutation(len(pieces)).astype(float))
+  return tokens + pieces, scores, types + [1] * len(pieces)
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, False])
+def test_llama_sentencepiece_tokenizer_is_transformers(add_space_prefix, tmp_path):
+  """Llama-2 / Mistral-v0.1 GGUFs (`tokenizer.ggml.model == "llama"`, architecture llama)
+  against transformers' GGUF loader on the same file: the same ids (merges from the scores,
+  byte fallback, the prefix space llama.cpp adds unless the file says otherwise), decoding
+  returns the text, BOS added by default."""
+  tokens, scores, types = _sentencepiece_vocabulary()
+  writer = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+  for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                     (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
+                     (writer.add_head_count, 1), (writer.add_head_count_kv, 1),
+                     (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 1e4),
+                     (writer.add_vocab_size, len(tokens))):
+    add(value)
+  writer.add_tokenizer_model("llama")
+  writer.add_tokenizer_pre("default")
+  writer.add_token_list(tokens)
+  writer.add_token_scores(scores)
+  writer.add_token_types(types)
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  writer.add_unk_token_id(0)
+  if add_space_prefix is not None:
+    writer.add_add_space_prefix(add_space_prefix)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+  ours, policy = gguf_io.gguf_tokenizer(tmp_path / "sp.gguf")
+  assert policy == {"bos_token_id": 1, "add_bos_token": True}
+  if add_space_prefix is None:
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+  else:  # transformers' GGUF loader drops the file's add_space_prefix; its class takes it
+    theirs = transformers.LlamaTokenizer(
+        vocab={t: i for i, t in enumerate(tokens)}, add_prefix_space=False,
+        merges=generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores))))
+  texts = TEXTS + ["the cat ate an onion", "Hello world", " leading  spaces", "x"]
+  for text in texts:
+    ids = ours.encode(text).ids
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert ours.decode(ids) == theirs.decode(ids, clean_up_tokenization_spaces=False), text
+  prefix = ["\u2581"] if add_space_prefix is None else []
+  assert ours.encode("Hello").tokens == prefix + ["Hello"]
+  assert ours.encode("東").tokens == prefix + ["<0xE6>", "<0x9D>", "<0xB1>"]

@@ -273,19 +273,29 @@ def test_llama3_rope_freqs_read_as_llama3_scaling(tmp_path):
   assert "\n" not in str(info.value) and "rope_freqs.weight" in str(info.value)
 
 
-@pytest.mark.parametrize("pattern", [3, [True, False, True, True, True, False]])
-def test_gemma3_sliding_window_pattern_is_read(pattern, tmp_path):
+@pytest.mark.parametrize("pattern,base_swa", [(3, None), ([True, False, True, True, True, False], None),
+                                              (None, 2e4)])
+def test_gemma3_window_keys_are_read(pattern, base_swa, tmp_path):
   """`gemma3.attention.sliding_window_pattern`, as an int (every n-th layer full, llama.cpp's
-  set_swa_pattern) or per layer (true: windowed), decides which layers are windowed: lla's
-  logits are the transformers model's with those `layer_types` (window 8 < T = 16)."""
+  set_swa_pattern) or per layer (true: windowed), decides which layers are windowed, and
+  `gemma3.rope.freq_base_swa` their RoPE base: lla's logits are those of the transformers
+  model with those `layer_types` and local base (window 8 < T = 16; float32 tensors)."""
   windowed = ([(i + 1) % pattern != 0 for i in range(6)] if isinstance(pattern, int)
-              else pattern)
+              else pattern or [(i + 1) % 6 != 0 for i in range(6)])
+  rope = CASES["gemma3"][2]["rope_parameters"]
   source = tiny("gemma3", num_hidden_layers=6, layer_types=[
-      "sliding_attention" if w else "full_attention" for w in windowed])
-  write_gguf(source, "gemma3", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf",
-             extra=lambda w: w.add_sliding_window_pattern(pattern))
+      "sliding_attention" if w else "full_attention" for w in windowed], rope_parameters={
+          **rope, "sliding_attention": dict(rope_type="default", rope_theta=base_swa or 1e4)})
+
+  def extra(writer):
+    if pattern is not None:
+      writer.add_sliding_window_pattern(pattern)
+    if base_swa is not None:
+      writer.add_rope_freq_base_swa(base_swa)
+
+  write_gguf(source, "gemma3", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf", extra=extra)
   params, cfg, _ = gguf_io.load_gguf(tmp_path / "m.gguf")
-  assert cfg.window_layers == tuple(windowed)
+  assert cfg.window_layers == tuple(windowed) and cfg.local_rope_theta == (base_swa or 1e4)
   ours, reference = _logits(source, params, cfg)
   assert_close(ours, reference, RTOL, "gemma3 logits")
 
@@ -296,6 +306,7 @@ def test_gemma3_sliding_window_pattern_is_read(pattern, tmp_path):
     ("llama.attention.value_length", 8, gguf.GGUFValueType.UINT32),
     ("llama.attention.sliding_window", 4, gguf.GGUFValueType.UINT32),
     ("llama.attention.sliding_window_pattern", 2, gguf.GGUFValueType.UINT32),
+    ("llama.rope.freq_base_swa", 1e4, gguf.GGUFValueType.FLOAT32),
     ("llama.rope.scaling.type", "yarn", gguf.GGUFValueType.STRING),
     ("llama.expert_count", 4, gguf.GGUFValueType.UINT32),
     ("llama.attention.scale", 0.5, gguf.GGUFValueType.FLOAT32),

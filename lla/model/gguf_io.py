@@ -13,16 +13,27 @@ transformers' `LlamaTensorProcessor._reverse_permute_weights` does
 Gemma-3: llama.cpp stores every norm weight as `1 + w` (its RMSNorm multiplies by the weight
 alone), so 1 is subtracted again, as transformers' `Gemma2TensorProcessor` does; `ffn_norm` is
 the MLP's input norm (`pre_feedforward_layernorm`), `post_attention_norm` and `post_ffw_norm`
-the sandwich norms. A GGUF stores neither the local layers' RoPE base nor the layer pattern:
-llama.cpp and transformers take Gemma-3's (base 1e4, every 6th layer full attention), and so
-does lla; the score scale is llama.cpp's (`head_dim^-0.5`, `(d / H)^-0.5` for the 62-layer 27B).
+the sandwich norms. Where the file does not say (`gemma3.rope.freq_base_swa`,
+`gemma3.attention.sliding_window_pattern`), the local layers' RoPE base and the layer pattern
+are Gemma-3's (base 1e4, every 6th layer full attention), as in llama.cpp and transformers;
+the score scale is llama.cpp's (`head_dim^-0.5`, `(d / H)^-0.5` for the 62-layer 27B).
+
+Every `{arch}.*` key is read or refused by name (`_KNOWN_KEYS`): logit soft-capping, a value
+length other than the key length, YaRN and other RoPE scalings, MoE, ... are one line, never
+dropped. Llama-3.1/3.2: llama.cpp's converter stores the llama3 RoPE scaling as a
+`rope_freqs` tensor of per-frequency factors; lla reads it as llama3 RoPE of factor
+max(rope_freqs) with Llama-3's low/high frequency factors 1/4 and original context 8192 (or
+`rope.scaling.original_context_length`) and refuses factors those do not reproduce. A tensor
+of a GGML type the `gguf` package cannot dequantise is `UnsupportedQuantisation` (one line).
 
 `load_gguf` returns the params, the config and an `info` dict for E and checkpoint metadata:
 family, source format, the dequantisation (tensor counts per GGML type), the tokenizer's
 BOS/EOS ids and BOS policy. `gguf_tokenizer` builds a `tokenizers.Tokenizer` from the GGUF's
-own vocabulary and merges (byte-level BPE, `tokenizer.ggml.model == "gpt2"`), or from Gemma-3's
-SentencePiece vocabulary (`"llama"`), whose merges the file omits and which are recovered
-from the vocabulary as transformers' GGUF conversion recovers them.
+own vocabulary: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with its merges, cut by the
+`PRE_TOKENIZERS` entry of `tokenizer.ggml.pre` (an unknown value is refused); SentencePiece
+(`"llama"`) of a llama file (Llama-2, Mistral v0.1) or of Gemma-3, whose merges the file
+omits and which are recovered from the scores (Gemma-3: the file's order) as transformers'
+GGUF conversion recovers them.
 """
 
 from __future__ import annotations
@@ -135,16 +146,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# The `{arch}.*` keys lla reads (below); every other one is refused by name, so that no key
-# that changes the function (logit soft-capping, attention scales, MoE, ALiBi, LayerNorm, ...)
-# is silently dropped. `rope.scaling.finetuned` only records how the model was trained.
-_READ_KEYS = {
+# The `{arch}.*` keys lla knows: read below, or recording provenance only
+# (`rope.scaling.finetuned`; `tensor_data_layout`, which llama.cpp does not read either).
+# Every other one is refused by name, so that no key that changes the function (logit
+# soft-capping, attention scales, MoE, ALiBi, LayerNorm, ...) is silently dropped.
+_KNOWN_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
     "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned",
-    "attention.sliding_window", "attention.sliding_window_pattern",
+    "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+    "tensor_data_layout",
 }
 # Llama-3.1/3.2's published llama3 RoPE parameters besides the factor; a GGUF stores the
 # per-frequency factors (`rope_freqs`), not these, so lla assumes them and checks the factors.
@@ -163,7 +176,7 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path,
     raise GGUFError(f"{path}: general.architecture {arch!r} is unsupported "
                     f"(lla reads {', '.join(ARCHITECTURES)})")
   for key in sorted(meta):
-    if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in _READ_KEYS:
+    if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in _KNOWN_KEYS:
       raise GGUFError(f"{path}: {key}={meta[key]!r} is unsupported (lla's decoder does not "
                       "implement what it sets)")
 
@@ -221,10 +234,13 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path,
       raw["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     elif pattern is not None:  # every `pattern`-th layer full, as llama.cpp's set_swa_pattern
       raw["sliding_window_pattern"] = int(pattern)
+    if get("rope.freq_base_swa") is not None:  # the windowed layers' RoPE base
+      raw["rope_local_base_freq"] = float(get("rope.freq_base_swa"))
     blocks = raw["num_hidden_layers"]
     raw["query_pre_attn_scalar"] = d // heads if blocks == 62 else raw["head_dim"]
   else:
-    for key in ("attention.sliding_window", "attention.sliding_window_pattern"):
+    for key in ("attention.sliding_window", "attention.sliding_window_pattern",
+                "rope.freq_base_swa"):
       if meta.get(f"{arch}.{key}") is not None:
         raise GGUFError(f"{path}: {arch}.{key} is unsupported in {arch} GGUF files")
   try:
@@ -361,11 +377,7 @@ PRE_TOKENIZERS = {
 }
 
 
-def _refuse_tokenizer_keys(meta: dict, path: pathlib.Path) -> None:
-  """Tokenizer keys that would change the ids and that lla's tokenizers do not implement."""
-  if meta.get("tokenizer.ggml.add_space_prefix"):
-    raise GGUFError(f"{path}: tokenizer.ggml.add_space_prefix=true is unsupported for "
-                    f"tokenizer.ggml.model {meta.get('tokenizer.ggml.model')!r}")
+def _refuse_charsmap(meta: dict, path: pathlib.Path) -> None:
   if len(meta.get("tokenizer.ggml.precompiled_charsmap", ())):
     raise GGUFError(f"{path}: tokenizer.ggml.precompiled_charsmap (a SentencePiece normalizer) "
                     "is unsupported")
@@ -380,20 +392,30 @@ def gguf_tokenizer(path: str | os.PathLike):
   meta = _fields(_reader(path))
   kind = meta.get("tokenizer.ggml.model")
   bos = meta.get("tokenizer.ggml.bos_token_id")
-  if kind == "llama" and meta.get("general.architecture") == "gemma3":
-    _refuse_tokenizer_keys(meta, path)
-    # SentencePiece: llama.cpp adds BOS unless the file says otherwise.
-    return _gemma_tokenizer(meta), {"bos_token_id": bos, "add_bos_token": bool(
-        meta.get("tokenizer.ggml.add_bos_token", True))}
+  arch = meta.get("general.architecture")
+  _refuse_charsmap(meta, path)
+  prefix = meta.get("tokenizer.ggml.add_space_prefix")
+  if kind == "llama" and arch in ("gemma3", "llama"):
+    # SentencePiece: llama.cpp adds BOS unless the file says otherwise, and (but for Gemma,
+    # whose converter writes add_space_prefix=false) a space in front of the text.
+    if arch == "gemma3":
+      if prefix:
+        raise GGUFError(f"{path}: tokenizer.ggml.add_space_prefix=true is unsupported for Gemma-3")
+      tokenizer = _gemma_tokenizer(meta)
+    else:
+      tokenizer = _sentencepiece_tokenizer(meta, prefix is None or bool(prefix), path)
+    return tokenizer, {"bos_token_id": bos,
+                       "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", True))}
   if kind != "gpt2":
-    raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} of architecture "
-                    f"{meta.get('general.architecture')!r} is unsupported (byte-level BPE 'gpt2', "
-                    "or Gemma-3's SentencePiece 'llama')")
+    raise GGUFError(f"{path}: tokenizer.ggml.model {kind!r} of architecture {arch!r} is "
+                    "unsupported (byte-level BPE 'gpt2', or SentencePiece 'llama' of a llama or "
+                    "gemma3 file)")
+  if prefix:
+    raise GGUFError(f"{path}: tokenizer.ggml.add_space_prefix=true is unsupported for byte-level BPE")
   pre_name = meta.get("tokenizer.ggml.pre", "default")
   if pre_name not in PRE_TOKENIZERS:
     raise GGUFError(f"{path}: tokenizer.ggml.pre {pre_name!r} is unsupported (lla implements "
                     f"{', '.join(PRE_TOKENIZERS)})")
-  _refuse_tokenizer_keys(meta, path)
   pre = PRE_TOKENIZERS[pre_name]
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
   tokens = list(meta["tokenizer.ggml.tokens"])
@@ -419,36 +441,75 @@ def gguf_tokenizer(path: str | os.PathLike):
                      "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))}
 
 
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+  """A SentencePiece vocabulary's BPE merges, which a GGUF does not store: every split of a
+  token into two tokens, best merged-token score first; for equal scores the longer left
+  piece, then the longer right piece, then the file's order (transformers' `generate_merges`
+  order, which its GGUF loader uses)."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for token, score in zip(tokens, scores):
+    splits = [(token[:i], token[i:]) for i in range(1, len(token))
+              if token[:i] in vocab and token[i:] in vocab]
+    merges += [(left, right, score) for left, right in
+               sorted(splits, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))]
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable
+  return [(left, right) for left, right, _ in merges]
+
+
+def _spm_bpe(tokens: list[str], merges, meta: dict):
+  """BPE with byte fallback (`<0xXX>` tokens) over a SentencePiece vocabulary; control tokens
+  match whole, as special tokens, user-defined ones whole, as plain added tokens."""
+  from tokenizers import AddedToken, Tokenizer, models
+  unk = meta.get("tokenizer.ggml.unknown_token_id")
+  tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=True,
+                                   unk_token=tokens[int(unk)] if unk is not None else None,
+                                   byte_fallback=True))
+  types = [int(t) for t in meta.get("tokenizer.ggml.token_type", ())]
+  tokenizer.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                                for i, t in enumerate(types) if t == 3])
+  tokenizer.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
+                        for i, t in enumerate(types) if t == 4])
+  return tokenizer
+
+
+def _sentencepiece_tokenizer(meta: dict, add_space_prefix: bool, path: pathlib.Path):
+  """Llama-2 / Mistral-v0.1's SentencePiece vocabulary (`tokenizer.ggml.model == "llama"` of a
+  llama file) as transformers' GGUF loader builds it (`LlamaTokenizer`, non-legacy): spaces
+  spelled U+2581 and one in front of the text where `add_space_prefix` (llama.cpp's default
+  for SentencePiece), BPE merges from the file or else recovered from the token scores."""
+  from tokenizers import decoders, pre_tokenizers
+  tokens = list(meta["tokenizer.ggml.tokens"])
+  if "tokenizer.ggml.merges" in meta:
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+  elif "tokenizer.ggml.scores" in meta:
+    merges = _spm_merges(tokens, [float(x) for x in meta["tokenizer.ggml.scores"]])
+  else:
+    raise GGUFError(f"{path}: a SentencePiece vocabulary with neither tokenizer.ggml.merges "
+                    "nor tokenizer.ggml.scores has no merge order")
+  tokenizer = _spm_bpe(tokens, merges, meta)
+  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+      replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+  steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  tokenizer.decoder = decoders.Sequence(
+      steps + [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else steps)
+  return tokenizer
+
+
 def _gemma_tokenizer(meta: dict):
   """Gemma's SentencePiece-BPE vocabulary as a `tokenizers.Tokenizer`, built as transformers'
   GGUF conversion builds it (`gemma_tokenizer` and `GemmaTokenizer` in transformers 5), without
   torch: BPE with byte fallback, spaces normalised to U+2581 and no prefix space. A GGUF stores
-  no merges for it, so they are recovered from the vocabulary: every split of a token into two
-  tokens is a merge, ranked by the merged token's place in the file (Gemma's scores do not
-  follow its merge order; the order of the file does). Tokens of two or more spaces are stored
-  as spaces and renamed to U+2581 runs first. Control tokens match whole, as special tokens;
-  user-defined ones whole, as plain added tokens."""
-  from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+  no merges for it, so they are recovered from the vocabulary, ranked by the merged token's
+  place in the file (Gemma's scores do not follow its merge order; the order of the file
+  does). Tokens of two or more spaces are stored as spaces and renamed to U+2581 runs first."""
+  from tokenizers import decoders, normalizers, pre_tokenizers
 
   tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
             for t in meta["tokenizer.ggml.tokens"]]
-  vocab = {t: i for i, t in enumerate(tokens)}
-  # In the file's order; a token's own splits longest left piece first (transformers'
-  # `generate_merges` order).
-  merges = [(token[:i], token[i:]) for token in tokens for i in range(len(token) - 1, 0, -1)
-            if token[:i] in vocab and token[i:] in vocab]
-  unk = meta.get("tokenizer.ggml.unknown_token_id")
-  tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True,
-                                   unk_token=tokens[int(unk)] if unk is not None else None,
-                                   byte_fallback=True))
+  tokenizer = _spm_bpe(tokens, _spm_merges(tokens, [-i for i in range(len(tokens))]), meta)
   tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
   tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
   tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
-  types = [int(t) for t in meta.get("tokenizer.ggml.token_type", ())]
-  control = [AddedToken(tokens[i], normalized=False, special=True)
-             for i, t in enumerate(types) if t == 3]
-  tokenizer.add_special_tokens(control)
-  tokenizer.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
-                        for i, t in enumerate(types) if t == 4])
   return tokenizer
