@@ -14,11 +14,14 @@ data directory's valid/test/tokenizer files are the canonical ones, so the fetch
 must carry the canonical sums. Its train.txt is the re-packed copy (articles in another
 order), so the train served here, and fetched, is that copy: sha256 728c77e8..., not the
 canonical git blob 2d84b35a... that the real hub's rows give.
+
+The last tests check that the corpus names its copy and that E carries it (E.C.copy).
 """
 
 import hashlib
 import http.server
 import io
+import json
 import os
 import socket
 import subprocess
@@ -26,14 +29,20 @@ import sys
 import threading
 from pathlib import Path
 
+import jax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from configs import capture as capture_config
+from lla.capture import runner
 from lla.data import corpora
 from lla.data import fetch
 from lla.data import paths
 from lla.data import tokenizer as tokenizer_lib
+from lla.model import hf_io
+from lla.model.gpt2 import GPT2Config
+from lla.model.gpt2 import init_params
 from lla.protocol import tuple as protocol
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -284,3 +293,16 @@ def test_the_corpus_records_its_copy_and_e_names_it_only_when_known(data_dir, tm
   assert named.to_dict()["C"]["copy"] == "shared-repacked"
   assert named.sha256() != before.sha256()
   assert protocol.ProtocolTuple.from_dict(named.to_dict()) == named
+
+
+def test_a_capture_of_wikitext_records_the_copy_in_e(data_dir, tmp_path):
+  cfg = GPT2Config(vocab_size=50257, n_positions=16, n_embd=8, n_layer=2, n_head=2)
+  hf_io.save_hf_dir(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "model")
+  config = capture_config.get_config("tiny")
+  config.model.hf_dir = str(tmp_path / "model")
+  config.data.data_dir = str(data_dir)
+  config.data.seq_len, config.data.n_calibration, config.data.n_train, config.data.n_eval = 8, 1, 1, 2
+  config.cut, config.training, config.batch_size = 1, False, 2
+  runner.capture_from_config(config, str(tmp_path / "capture"))
+  e = json.loads((tmp_path / "capture" / "metadata.json").read_text())["protocol"]
+  assert e["C"]["name"] == "wikitext2" and e["C"]["copy"] == "shared-repacked"
