@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import jax
@@ -306,3 +307,15 @@ def test_a_capture_of_wikitext_records_the_copy_in_e(data_dir, tmp_path):
   runner.capture_from_config(config, str(tmp_path / "capture"))
   e = json.loads((tmp_path / "capture" / "metadata.json").read_text())["protocol"]
   assert e["C"]["name"] == "wikitext2" and e["C"]["copy"] == "shared-repacked"
+
+
+def test_the_hub_corpus_reads_rows_back_into_the_files_text(data_dir, served, monkeypatch):
+  # `datasets` gives WikiText2Hub the rows of the hub's parquet; a stand-in serves the ones
+  # built above from the data directory's valid.txt.
+  valid = pq.read_table(io.BytesIO(next(data for path, data in served.items() if "validation" in path)))
+  stand_in = types.ModuleType("datasets")
+  stand_in.load_dataset = lambda name, config, split: {"text": valid.column("text").to_pylist()}
+  monkeypatch.setitem(sys.modules, "datasets", stand_in)
+  tokenizer = tokenizer_lib.load_tokenizer(data_dir)
+  text = corpora.WikiText2Hub(tokenizer).documents("valid")
+  assert text == [(data_dir / "wikitext-2" / "valid.txt").read_text(encoding="utf-8")]

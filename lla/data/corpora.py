@@ -224,8 +224,9 @@ class WikiText2Hub(Corpus):
       rows = datasets.load_dataset(self.dataset, self.config, split=self._HF_SPLITS[split])
     except Exception as e:  # Network and hub errors come in many types.
       raise paths.DataNotFoundError("WikiText-2 from the hub", [f"{where}: {type(e).__name__}: {e}"]) from e
-    # Rows are lines that keep their "\n", as in the files.
-    return ["".join(rows["text"])]
+    # Rows are the file's lines, its blank line " \n" an empty row: put back, the text is the
+    # file's byte for byte (lla.data.fetch.text_from_rows).
+    return [fetch.text_from_rows(rows["text"], where).decode("utf-8")]
 
   def metadata(self) -> dict[str, Any]:
     return {"corpus": self.name, "source": f"hub:{self.dataset}/{self.config}"}
