@@ -319,3 +319,11 @@ def test_the_hub_corpus_reads_rows_back_into_the_files_text(data_dir, served, mo
   tokenizer = tokenizer_lib.load_tokenizer(data_dir)
   text = corpora.WikiText2Hub(tokenizer).documents("valid")
   assert text == [(data_dir / "wikitext-2" / "valid.txt").read_text(encoding="utf-8")]
+
+
+def test_an_out_that_is_a_file_is_one_line(hub, tmp_path):
+  (tmp_path / "file").write_text("not a directory")
+  run = _run_fetch(hub.url, f"--out={tmp_path / 'file'}", tmp_path=tmp_path)
+  assert run.returncode == 1
+  assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+  assert f"cannot write the data under {tmp_path / 'file'}" in run.stderr

@@ -246,15 +246,19 @@ def fetch(out: str | os.PathLike[str], *, endpoint: str | None = None,
       log(f"kept {relative} (verified)")
   missing = [relative for relative in SOURCES if relative not in present]
   if missing:
-    out.mkdir(parents=True, exist_ok=True)
-    # The hub's own cache lives beside the data and goes with this call: only verified
-    # files under their final names stay behind.
-    with tempfile.TemporaryDirectory(dir=out, prefix=".hub-cache-") as cache_dir:
-      for relative in missing:
-        data = _download(SOURCES[relative], Path(cache_dir), endpoint)
-        _write_verified(out / relative, relative, data)
-        present[relative] = identities(data)
-        log(f"downloaded {relative} (verified)")
+    try:
+      out.mkdir(parents=True, exist_ok=True)
+      # The hub's own cache lives beside the data and goes with this call: only verified
+      # files under their final names stay behind.
+      with tempfile.TemporaryDirectory(dir=out, prefix=".hub-cache-") as cache_dir:
+        for relative in missing:
+          data = _download(SOURCES[relative], Path(cache_dir), endpoint)
+          _write_verified(out / relative, relative, data)
+          present[relative] = identities(data)
+          log(f"downloaded {relative} (verified)")
+    except OSError as e:  # --out is a file, unwritable, or the disk is full
+      raise FetchError(f"cannot write the data under {out}: {e.strerror or e} "
+                       f"({e.filename or out})") from None
   matching = copies_matching(present)
   if not matching:
     raise FetchError(f"the files in {out} verify one by one but together form no recorded copy "
