@@ -51,8 +51,10 @@ def _together(paths: tuple[str, ...], cpu, paper) -> dict:
           for i, path in enumerate(paths)}
 
 
-# The frontier's budget knobs. Per attack family: the attacks it runs and, per attack, the
-# config paths that buy it more work, each with a ladder of values per scale ("cpu": 2 CPU
+# The frontier's budget knobs as a fixed table (the frontier_table variants; the frontier
+# variants generate theirs from the target, lla.sweep.ladders, and take from this table
+# only which attacks of a family run). Per attack family: the attacks it runs and, per
+# attack, the config paths that buy it more work, each with a ladder of values per scale ("cpu": 2 CPU
 # cores, the main job's 8 documents per cell; "paper": an accelerator, 256 documents). The
 # paths of one attack move together (rung i takes value i of each). The sweep does not run
 # every rung: it places each attack at the rung whose predicted FLOPs (its analytic model,

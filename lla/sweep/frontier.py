@@ -26,17 +26,18 @@ family beats), and compares attacks at common FLOP levels:
     pair that is not says which attack's floor lies above it. Each within-budget comparison
     says whether both runs spent about L (within the tolerance both ways: the iso-level
     comparison) or one spent less;
-  - per attack (grouped by family), its recovery at each common level (a level at which at
-    least two attacks ran): a table to read across families.
+  - per attack (grouped by family), its floor and ceiling (with what limits each, for
+    ladders placed from the target) and its recovery at each common level (a level at which
+    at least two attacks ran) and within each level's budget: tables to read across
+    families.
 
-The levels are the sweep's (`report_options(config)`), or, for a study without them, a
-ladder a factor tolerance^2 apart from the cheapest run up, so that every run counts at
-one level at least.
+The levels are the sweep's (`report_options(config)`: fixed by the config, or derived from
+the target's floors by lla.sweep.ladders), or, for a study without them, a ladder a factor
+tolerance^2 apart from the cheapest run up, so that every run counts at one level at least.
 
 `report(study, out_dir)` writes frontier.png (left: the runs and Pareto frontiers; right:
 recovery within each level's budget, filled where the run spent about the level),
-frontier.json and frontier.md and returns
-the markdown lines (for the main job's report).
+frontier.json and frontier.md and returns the markdown lines (for the main job's report).
 """
 
 from __future__ import annotations
