@@ -11,7 +11,7 @@ or data that do not fit (a missing or damaged checkpoint, missing data, token id
 model's vocabulary) is one line on stderr and exit status 1.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import cli
@@ -34,7 +34,7 @@ _INPUT_ERRORS = (run.ActiveInputError, checkpoint.CheckpointError, hf_io.Checkpo
 def main(argv):
   del argv
   runtime.configure()
-  with cli.one_line_errors(*_INPUT_ERRORS, prefix="active_server"):
+  with cli.one_line_errors(*_INPUT_ERRORS, prefix="active_server", workdir=_WORKDIR.value):
     run.run(_CONFIG.value, _WORKDIR.value)
   path = report.write(_WORKDIR.value, f"{_WORKDIR.value}/report")
   logging.info("active-server report: %s", path)
@@ -42,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -11,7 +11,7 @@ OUT/bridge.json.
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
 from experiments import cli
 from lla.study import bridge
@@ -36,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,7 +10,7 @@ vocabulary or longer than the model's positions; a cut outside 1..n_layer-1; a m
 an existing --workdir) is one line on stderr and exit status 1, with nothing written.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from experiments import cli
@@ -39,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

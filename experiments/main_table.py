@@ -13,10 +13,10 @@ share of every attack's document chunks.
       --process_id=$RANK
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments import distributed
+from experiments import cli, distributed
 from lla import dist, runtime
 from lla.capture import store
 from lla.evidence import rundir
@@ -49,13 +49,13 @@ def main(argv):
     with dist.following():
       replay.follow(_CONFIG.value.plugins)
     return
-  try:
-    with dist.leading():
-      report = main_table.run(_CONFIG.value, _WORKDIR.value)
-  except _REFUSALS as e:
-    raise SystemExit(f"error: {e}") from None
+  # These and every other input error of lla (a plugin that does not import, a model
+  # directory that does not exist: experiments.cli.INPUT_ERRORS), as one line; a workdir
+  # made for the job and left empty is removed.
+  with cli.one_line_errors(*_REFUSALS, workdir=_WORKDIR.value), dist.leading():
+    report = main_table.run(_CONFIG.value, _WORKDIR.value)
   print(f"report: {report}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -7,7 +7,7 @@ attack's token and exact-document recovery against the frequency baseline of the
 own tokenizer. lla.study.real_weights says what the cell runs and why.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
@@ -33,7 +33,7 @@ _INPUT_ERRORS = (real_weights.RealWeightsError, loading.ModelLoadError,
 def main(argv):
   del argv
   runtime.configure()
-  with cli.one_line_errors(*_INPUT_ERRORS):
+  with cli.one_line_errors(*_INPUT_ERRORS, workdir=_WORKDIR.value):
     card = real_weights.run(_CONFIG.value, _WORKDIR.value)
   (undefended,) = card["undefended"]  # One capture, no defense: one configuration.
   print(f"{'attack':20s} {'token rec.':>10s} {'exact docs':>10s} {'baseline p0':>11s} "
@@ -45,4 +45,4 @@ def main(argv):
   print(f"scorecard: {_WORKDIR.value}/{real_weights.RUN}/{rundir.SCORECARD_JSON}")
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -11,7 +11,7 @@ count, commit) and this machine's: the usual cause of a mismatch on another mach
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from experiments import cli
 from lla import provenance, runtime
@@ -54,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -18,7 +18,7 @@ attacker's weights must be readable at the same paths on every host; process 0 w
       --process_id=$RANK
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli, distributed
@@ -52,7 +52,7 @@ def main(argv):
     with dist.following():
       replay.follow(_CONFIG.value.plugins)
     return
-  with cli.one_line_errors(*_INPUT_ERRORS), dist.leading():
+  with cli.one_line_errors(*_INPUT_ERRORS, workdir=_WORKDIR.value), dist.leading():
     records = replay_runner.replay_from_config(_CONFIG.value, _WORKDIR.value,
                                                _LOCK_WAIT_S.value)
   for record in records:
@@ -64,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

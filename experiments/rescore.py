@@ -28,9 +28,10 @@ is that of the reproduction.
 import os
 import sys
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from experiments import cli
 
 from lla.evidence import files
 from lla.evidence import rundir
@@ -181,4 +182,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

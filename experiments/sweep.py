@@ -11,14 +11,12 @@ Killed and started again with the same --workdir, it skips every finished cell (
 hash). configs/sweep.py documents the variants.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
 from lla import runtime
-from lla.attacks import budget, registry
-from lla.evidence import rundir
-from lla.sweep import backends, cells, driver, frontier
+from lla.sweep import backends, driver, frontier
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py:cpu", "Sweep config.",
                                           lock_config=True)
@@ -59,14 +57,11 @@ def _backend_options() -> dict:
 def main(argv):
   del argv
   runtime.configure()
-  try:
+  # A failed cell is named with its error (the rest written); a bad grid, budget, plugin,
+  # study or lock is refused before any cell ran (lla's input errors: experiments.cli).
+  with cli.one_line_errors(driver.SweepError, KeyError, workdir=_WORKDIR.value):
     summary = driver.run(_CONFIG.value, _WORKDIR.value, _BACKEND.value,
                          only=tuple(_CELLS.value), **_backend_options())
-  except driver.SweepError as e:  # Each failed cell named with its error; the rest written.
-    raise SystemExit(f"error: {e}") from None
-  except (cells.SweepConfigError, budget.BudgetError, registry.PluginError, KeyError,
-          rundir.RunLockedError) as e:  # Refused before any cell ran: nothing written.
-    raise SystemExit(f"error: {cli.one_line(e)}") from None
   print(f"sweep: {summary.cells} cells ({summary.skipped} finished before, {summary.ran} run) "
         f"in {summary.wall_s:.1f} s -> {summary.study}")
   if _CONFIG.value.frontier.enabled and not _CELLS.value:
@@ -76,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

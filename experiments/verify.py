@@ -26,9 +26,9 @@ changes no file of the run; it is written only for a run that verifies.
 
 import re
 
-from absl import app
 from absl import flags
 
+from experiments import cli
 from lla.evidence import rundir
 from lla.evidence import signing
 
@@ -100,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

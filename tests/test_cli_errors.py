@@ -266,3 +266,81 @@ def test_sweep_binary_refuses_a_bad_grid_before_writing(tmp_path):
     for fact in facts:
       assert fact in line, (flag, fact, line)
   assert not workdir.exists()
+
+
+def _rope_scaled_dir(directory: pathlib.Path) -> pathlib.Path:
+  """A llama config whose RoPE scaling (dynamic NTK) lla does not implement; no weights are
+  needed: the config is refused first."""
+  directory.mkdir()
+  (directory / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": CFG.vocab_size, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+      "num_key_value_heads": 4, "max_position_embeddings": 16, "rms_norm_eps": 1e-6,
+      "hidden_act": "silu", "rope_theta": 10000.0,
+      "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+  return directory
+
+
+def test_every_binary_turns_an_input_or_state_error_into_one_line(setup, tmp_path):
+  """The CLI error matrix (issue 49): each binary, each error class a new user meets, one
+  stderr line naming it, a non-zero exit, no traceback; a --workdir the binary would have
+  created is not left behind (empty or not), and a directory that was there is unchanged."""
+  from lla.scoring import synthetic as syn  # pylint: disable=g-import-not-at-top
+  root, _ = setup
+  no_model = tmp_path / "no_model"
+  replay_run = tmp_path / "replay_run"  # a run directory, as a replay leaves one
+  syn.make_run(str(replay_run), str(root / "cap"), [syn.Spec("ridge", "ridge", 1, 0)], None)
+  sweep_dir = tmp_path / "sweep_over_a_run"  # its study/ is a run, not a study
+  syn.make_run(str(sweep_dir / "study"), str(root / "cap"), [syn.Spec("ridge", "ridge", 1, 0)],
+               None)
+  rope = _rope_scaled_dir(tmp_path / "rope")
+  tiny_main = "--config=configs/main_table.py:tiny"
+  new = lambda name: tmp_path / f"new_{name}"  # pylint: disable=unnecessary-lambda-assignment
+  # (what, binary, args, facts the line holds, the workdir (None: none), it existed before)
+  cases = [
+      ("main: plugin", "main_table", [tiny_main, "--config.plugins=no_such.module"],
+       ["plugin 'no_such.module' could not be imported", "No module named 'no_such'"]),
+      ("main: model dir", "main_table", [tiny_main, f"--config.model.hf_dir={no_model}"],
+       [str(no_model), "does not exist"]),
+      ("main: variant", "main_table", ["--config=configs/main_table.py:nosuch"],
+       ["unknown variant 'nosuch'", "tiny"]),
+      ("main: replay run", "main_table", [tiny_main], [str(replay_run), "holds a run"]),
+      ("sweep: variant", "sweep", ["--config=configs/sweep.py:nosuch"],
+       ["unknown variant 'nosuch'", "test"]),
+      ("sweep: study error", "sweep", ["--config=configs/sweep.py:test"],
+       [str(sweep_dir / "study"), "a run directory, not a study"]),
+      ("decoy: model dir", "decoy_leak", ["--config=configs/decoy_leak.py:tiny",
+                                          f"--config.model.hf_dir={no_model}"],
+       [str(no_model), "does not exist"]),
+      ("replay: rope scaling", "replay", [
+          "--config=configs/replay.py", f"--config.capture_dir={root / 'cap'}",
+          f"--config.attacker.hf_dir={rope}", f"--config.calibration.tokens_npy={root / 'good.npy'}",
+          "--config.attacks=ridge"], ["rope_type 'dynamic'", "unsupported"]),
+      ("active: model dir", "active_server", ["--config=configs/active.py:tiny",
+                                              f"--config.model.hf_dir={no_model}"],
+       [str(no_model), "does not exist"]),
+      ("real_weights: variant", "real_weights", ["--config=configs/real_weights.py:nosuch"],
+       ["unknown variant 'nosuch'"]),
+      ("rescore: not a run", "rescore", [], ["not a run directory"]),
+      ("verify: not a run", "verify", [], ["problem(s)"]),
+      ("bridge: not a workdir", "bridge", [], []),
+  ]
+  workdirs = {"main: replay run": replay_run, "sweep: study error": sweep_dir}
+
+  def run(case):
+    what, binary, args, _ = case
+    workdir = workdirs.get(what, new(what.split(":")[0] + "_" + str(len(what))))
+    flag = f"--workdirs={workdir}" if binary == "bridge" else f"--workdir={workdir}"
+    return workdir, _run(binary, *args, flag)
+
+  before = {p: _tree(p) for p in workdirs.values()}
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    results = list(pool.map(run, cases))
+  for (what, _, _, facts), (workdir, proc) in zip(cases, results):
+    line = _one_line(proc, what)
+    for fact in facts:
+      assert fact in line, (what, fact, line)
+    if workdir in before:
+      assert _tree(workdir) == before[workdir], what
+    else:
+      assert not workdir.exists(), (what, sorted(workdir.rglob("*")))

@@ -39,7 +39,7 @@ from lla.attacks import memory, registry
 from lla.replay import driver as replay
 from lla.capture import capture, store
 from lla.decoy import run as decoy_run
-from lla.evidence import files, rundir
+from lla.evidence import files, manifest, rundir
 from lla.scoring import scorecard
 from lla.scoring import threat_space
 from lla.scoring.policy import load_policy
@@ -357,9 +357,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   naming this one, before it writes anything.
   """
   check_document_counts(config)
+  _check_not_a_run(pathlib.Path(workdir))
   study = pathlib.Path(workdir) / STUDY
   with rundir.locked(str(study), what="experiments.main_table"):
     return _run_locked(config, pathlib.Path(workdir))
+
+
+def _check_not_a_run(workdir: pathlib.Path) -> None:
+  """Refuses a --workdir that is itself a run or a capture (a replay's run directory, a
+  sweep's study, a capture): the job would write its study inside it, and that run would
+  verify no more."""
+  for name, what in ((rundir.LOG, "a run (a replay's or a study's log)"),
+                     (manifest.MANIFEST_NAME, "a sealed run or a capture (its manifest)")):
+    if (workdir / name).exists():
+      raise WorkdirMismatch(f"{workdir}: holds {what}, not a main job's workdir; the job "
+                            "writes its study inside its --workdir: use a new --workdir")
 
 
 def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pathlib.Path:
