@@ -20,7 +20,7 @@
 #                    counts by hand (experiments/flops_probe.py: does the FLOP meter's
 #                    assumption hold on this backend?)
 #   kernels_small.json, kernels.json
-#                    kernels.vocab_topk against XLA's materialise-and-top_k at 512 and
+#                    lla_kernels.vocab_topk against XLA's materialise-and-top_k at 512 and
 #                    8192 rows x 768 x 50257, k = 32 (experiments/bench_kernels.py; each
 #                    score kind written as it ends)
 #   attacks.json     bench_attacks at GPT-2 124M (random weights), $DOCS documents, lla against
@@ -69,8 +69,10 @@ run() {
   if [[ -d .device/whl ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/lla_site .device/whl/*.whl || return 1
-    export PYTHONPATH=/tmp/lla_site
   fi
+  # lla is not pip-installed there, and kernels/ is imported as lla_kernels (setup.py): a link.
+  mkdir -p /tmp/lla_site && ln -sfn "$PWD/kernels" /tmp/lla_site/lla_kernels
+  export PYTHONPATH=/tmp/lla_site
   if [[ -d .device/data ]]; then export LLA_DATA_DIR="$PWD/.device/data"; fi
   : "${LLA_DATA_DIR:?no .device/data and no LLA_DATA_DIR: run prepare first}"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
