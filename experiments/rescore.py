@@ -59,17 +59,6 @@ def _registry():
   return registry
 
 
-def _stale(run: str, old: dict) -> list[str]:
-  """What the study holds that the scorecard does not reflect."""
-  out = rundir.written_since(run, rundir.SCORECARD_JSON)
-  recorded = old["inputs"].get("modules_file")
-  if recorded is not None:
-    now = threat_space.read(run)
-    if recorded["sha256"] != (now.sha256 if now else None):
-      out.insert(0, threat_space.FILE)
-  return out
-
-
 def _record_if_absent(run: str, card_modules=None) -> None:
   """A run that records no threat space (made before runs recorded theirs) gets today's
   registry, merged over the modules its old scorecard listed."""
@@ -156,7 +145,7 @@ def main(argv):
       print(f"wrote {path}")
     else:
       old = files.read_json(path)
-      stale = _stale(run, old)
+      stale = scorecard.stale(run, old)
       if stale:
         with rundir.extending(run):
           card = _rebuild_stale(run, old, pol)

@@ -24,13 +24,16 @@ The signature lies beside the run (`--signature`, default `<workdir>.seal.sig`),
 changes no file of the run; it is written only for a run that verifies.
 """
 
+import os
 import re
 
 from absl import flags
 
 from experiments import cli
+from lla.evidence import files
 from lla.evidence import rundir
 from lla.evidence import signing
+from lla.scoring import scorecard
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.",
                                required=True)
@@ -77,6 +80,13 @@ def main(argv):
     raise SystemExit(f"{run}: {len(problems)} problem(s)")
   anchor = rundir.anchor(run)  # A run that verifies ends with a seal.
   print(f"SEAL {anchor['hash']} (log.jsonl entry {anchor['index']})")
+  card_path = os.path.join(run, rundir.SCORECARD_JSON)
+  if os.path.exists(card_path):
+    # Every hash holds, but the verdicts may be of an earlier state of the study (a later
+    # replay resealed it): said, with how to rebuild them.
+    changed = scorecard.stale(run, files.read_json(card_path))
+    if changed:
+      print(f"STALE {scorecard.stale_line(run, changed)}")
   problem = None if expected is None else _expect_problem(run, expected, anchor)
   if problem:
     raise SystemExit(problem)

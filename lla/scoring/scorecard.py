@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from lla.evidence import files
+from lla.evidence import manifest
 from lla.evidence import rundir
 from lla.scoring import bootstrap
 from lla.scoring import coverage as coverage_lib
@@ -47,9 +48,11 @@ def score_records(run_dir: str, records, tokenizer=None
   Raises:
     ValueError naming the file when a prediction's hash or shape is wrong.
   """
+  # Every file of the run that scoring reads (protocol.json, protocols/ which set each
+  # capture's observations, inputs/ with the threat space and the tokenizer, predictions/,
+  # records/) against the log; the scorecard itself is what scoring writes.
   tampered = [p for p in rundir.check_against_log(run_dir)
-              if p.split("/")[0] in (rundir.PREDICTIONS, rundir.RECORDS)
-              or p.split(":")[0] in (threat_space_lib.FILE, TOKENIZER_FILE)]
+              if p.split(":")[0] not in (rundir.SCORECARD_JSON, rundir.SCORECARD_MD)]
   if tampered:
     raise ValueError(f"{run_dir}: " + "; ".join(tampered) + "; run verify")
   truths, scored, per_doc, similar = {}, [], {}, {}
@@ -63,6 +66,7 @@ def score_records(run_dir: str, records, tokenizer=None
                        f"{r.run_id!r}; run verify")
     truth_path = rundir.resolve(run_dir, r.truth_file)
     if truth_path not in truths:
+      check_truth(run_dir, r)
       truths[truth_path] = rundir.load_truth(truth_path)
     truth, pred = truths[truth_path], rundir.load_predictions(pred_path)
     if pred.shape != truth.shape:
@@ -75,6 +79,47 @@ def score_records(run_dir: str, records, tokenizer=None
     similar[r.run_id] = similarity.document_sums(pred, truth, r.scored_positions,
                                                  tokenizer)
   return scored, per_doc, similar
+
+
+def check_truth(run_dir: str, record) -> None:
+  """Refuses a truth file that is not the one the (logged) record was made against: its
+  capture's manifest must hash to the record's capture_sha256 and list the truth file
+  with its bytes' sha256.
+
+  Raises:
+    ValueError naming the file.
+  """
+  capture = rundir.resolve(run_dir, record.capture_dir)
+  listed = os.path.join(capture, manifest.MANIFEST_NAME)
+  truth = rundir.resolve(run_dir, record.truth_file)
+  if not os.path.exists(listed) or files.sha256_file(listed) != record.capture_sha256:
+    raise ValueError(f"{listed}: missing or not the capture manifest record "
+                     f"{record.run_id!r} names (capture_sha256); run verify --check_capture")
+  rel = os.path.relpath(truth, capture).replace(os.sep, "/")
+  expected = manifest.read_manifest(listed)[0].get(rel)
+  if expected is None or not os.path.exists(truth) or files.sha256_file(truth) != expected:
+    raise ValueError(f"{truth}: truth file missing, unlisted or changed since its capture's "
+                     "manifest was written; run verify --check_capture")
+
+
+def stale(run_dir: str, card: dict) -> list[str]:
+  """What the study holds that scorecard `card` (the study's scorecard.json) does not
+  reflect: the files of predictions/ and records/ written or removed since it was logged
+  (a later replay's), and the threat space when it was rewritten since."""
+  out = rundir.written_since(run_dir, rundir.SCORECARD_JSON)
+  recorded = (card.get("inputs") or {}).get("modules_file")
+  if recorded is not None:
+    now = threat_space_lib.read(run_dir)
+    if recorded["sha256"] != (now.sha256 if now else None):
+      out.insert(0, threat_space_lib.FILE)
+  return out
+
+
+def stale_line(run_dir: str, changed: list[str]) -> str:
+  """One line saying that the scorecard is stale and how to rebuild it."""
+  return (f"{run_dir}/{rundir.SCORECARD_JSON} is stale: {len(changed)} file(s) of the study "
+          f"written since it ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); "
+          f"rebuild it with python -m experiments.rescore --workdir={run_dir}")
 
 
 def difference_matrix(scored, per_doc, treatment: str, control: str, cut: int,

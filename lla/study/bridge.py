@@ -17,6 +17,7 @@ import dataclasses
 import pathlib
 
 from lla.evidence import files, rundir
+from lla.scoring import scorecard
 from lla.study import report
 
 STUDY = "study"
@@ -60,12 +61,15 @@ def read(workdir: str | pathlib.Path) -> Column:
   problems = rundir.verify(str(study))
   if problems:
     raise BridgeError(f"{study}: fails verification: {problems[0]}")
+  card = files.read_json(str(study / rundir.SCORECARD_JSON))
+  changed = scorecard.stale(str(study), card)
+  if changed:  # Its verdicts are of an earlier state of the study: not compared.
+    raise BridgeError(scorecard.stale_line(str(study), changed))
   config = files.read_json(str(study / rundir.PROTOCOL))["config"]
   timing = workdir / "timing.json"
   invocations = files.read_json(str(timing))["invocations"] if timing.exists() else []
   finished = [i["finished_unix"] for i in invocations if i["finished_unix"]]
   wall = (finished[-1] - invocations[0]["started_unix"]) / 60 if finished else None
-  card = files.read_json(str(study / rundir.SCORECARD_JSON))
   return Column(str(workdir), config["variant"], config["model"]["name"],
                 int(config["data"]["n_eval"]), int(config["finetune"]["num_models"]),
                 card["e_hash"], rundir.anchor(str(study))["hash"], wall, card)

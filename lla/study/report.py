@@ -332,7 +332,11 @@ def seal_line(study: pathlib.Path) -> str:
   anchor = rundir.anchor(str(study))
   if anchor is None:
     return "Seal: none (the study is not sealed; `experiments.verify` fails on it)."
-  return (f"Seal: `{anchor['hash']}` (log entry {anchor['index']}); publish it with the "
+  card = study / rundir.SCORECARD_JSON
+  changed = scorecard.stale(str(study), json.loads(card.read_text())) if card.exists() else []
+  stale = (f"**Stale scorecard**: {scorecard.stale_line(str(study), changed)}; the verdicts "
+           "below are of the study before those files. " if changed else "")
+  return (stale + f"Seal: `{anchor['hash']}` (log entry {anchor['index']}); publish it with the "
           f"results: `python -m experiments.verify --workdir={study} --expect={anchor['hash']}` "
           "fails on any study that does not end with this seal.")
 
