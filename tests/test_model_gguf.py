@@ -174,7 +174,10 @@ def test_gguf_matches_transformers_gguf_loader(arch, tmp_path):
   from lla.model import loading
   loaded = loading.load_model(ml_collections.ConfigDict({"gguf": str(tmp_path / "model.gguf")}))
   assert loaded.info["format"] == "gguf" and loaded.info["family"] == arch
-  assert loaded.model_id == loading.checkpoint.params_sha256(params)
+  # Its id covers the file's architecture and tokenizer besides the dequantised weights.
+  assert loaded.params_sha256 == loading.checkpoint.params_sha256(params)
+  assert loaded.model_id == loading.identify(loaded.params_sha256, cfg, loaded.tokenizer)[0] \
+      != loaded.params_sha256
 
   reference = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, gguf_file="model.gguf", attn_implementation="eager", dtype=torch.float32).eval()

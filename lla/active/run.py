@@ -75,6 +75,8 @@ class Setup:
     public: [n_public, T] the server's public windows.
     pilot, pilot_sha256: the pre-trained pilot/decoder, or None without FSHA runs.
     cspec: the client's static description.
+    tokenizer: the base's own tokenizer (None: GPT-2's), part of each trained client's
+      model id (lla.model.loading.identify).
   """
 
   config: ml_collections.ConfigDict
@@ -89,6 +91,7 @@ class Setup:
   pilot_sha256: str | None
   cspec: client.ClientSpec
   pilot_self_inversion: float | None = None
+  tokenizer: object = None
 
   @property
   def cut(self) -> int:
@@ -194,7 +197,8 @@ def make_setup(config, workdir: pathlib.Path) -> Setup:
   cspec = client.ClientSpec.make(cfg, int(config.cut), config.client_optimizer,
                                  int(config.num_steps))
   return Setup(config, files.sha256_bytes(files.canonical_json(config.to_dict())), cfg, params,
-               base_id, source, splits, public_tokens, pilot, pilot_sha, cspec, self_inversion)
+               base_id, source, splits, public_tokens, pilot, pilot_sha, cspec, self_inversion,
+               tokenizer)
 
 
 def make_server(setup: Setup, kind: str, beta: float):
@@ -301,7 +305,8 @@ def write_capture(setup: Setup, server, cstate: dict, sstate: dict, name: str, k
       active["beta"] = float(server.beta)
     return capture.capture_target(
         path, None, setup.cfg, tokens, setup.splits.evaluation.document_ids, setup.cut,
-        model_id=ckpt.params_sha256(cstate["params"]), corpus=setup.splits.corpus,
+        model_id=loading.identify(ckpt.params_sha256(cstate["params"]), setup.cfg,
+                                  setup.tokenizer)[0], corpus=setup.splits.corpus,
         split_hashes={n: p.sha256 for n, p in setup.splits.items()}, training=True,
         batch_size=size, messages=(np.concatenate(hs), np.concatenate(gs)),
         extra_metadata={"active": active}, attacker=attacker, extra_files=extra_files,

@@ -74,8 +74,8 @@ def _check_model_source(model: ml_collections.ConfigDict) -> None:
   checked by the loader, in one line)."""
   what = loading.first_source(model)
   if what is None:
-    raise capture.CaptureInputError(f"--config.model: names no {', '.join(loading.SOURCES)} "
-                                    "to load the target from")
+    raise capture.CaptureInputError(f"--config.model: names no {loading.SOURCE_NAMES} to "
+                                    "load the target from")
   path = model[what]
   if what == "gguf" and not os.path.isfile(path):
     raise capture.CaptureInputError(f"--config.model.gguf={path}: no such file")

@@ -37,6 +37,7 @@ from lla.model.decoder import DecoderConfig
 from lla.model.gpt2 import GPT2Config
 
 SOURCES = ("gguf", "gguf_package", "hf_dir", "checkpoint", "hub")
+SOURCE_NAMES = ", ".join(SOURCES[:-1]) + " or " + SOURCES[-1]  # for messages
 # Fields of a model config that say what the model is (configs/models.py ARCHITECTURE).
 _ARCHITECTURE_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "n_positions")
 # The compute dtype of the matmuls is chosen per run (PROTOCOL.md section 4 pins float32 and
@@ -273,8 +274,8 @@ def load_model(model: ml_collections.ConfigDict | dict,
     kind = GPT2_TOKENIZER if isinstance(cfg, GPT2Config) else NO_TOKENIZER
     info = {"format": "hf-safetensors", "dequantisation": "none"}
   else:
-    raise ModelLoadError(f"model {model.get('name') or ''!r} names no "
-                         f"{', '.join(SOURCES)} to load from")
+    raise ModelLoadError(f"model {model.get('name') or ''!r} names no {SOURCE_NAMES} to "
+                         "load from")
   identity, parts = identify(checkpoint.params_sha256(params), cfg, tokenizer, kind)
   info = {"family": cfg.family, **info, **parts}
   return LoadedModel(params, cfg, tokenizer, identity, source, info,
