@@ -11,6 +11,9 @@ $LLA_ISOLATION_PROBE:
   document_ids  any of the capture's document ids (an integer or an array element)
   paths         any string or bytes containing one of the listed paths (the capture, the
                 study, the defender's key store, the test's root) or "truth.safetensors"
+
+It walks every lla module's globals too (`module_globals`): module-level state is within
+any attack's reach.
   secret        the defender's secret (the integer or its decimal string)
 
 `probe(obj, targets)` is the same walk, for the tests to run on the replay driver's own
@@ -23,6 +26,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import types
 
 import jax
@@ -56,7 +60,7 @@ class Targets:
 
 class _Walk:
 
-  def __init__(self, targets: Targets):
+  def __init__(self, targets: Targets, bare_name: bool = True):
     self.t = targets
     self.found: set[str] = set()
     self.seen: set[int] = set()
@@ -66,7 +70,7 @@ class _Walk:
     self.truth_bytes = [np.ascontiguousarray(targets.truth, dt).tobytes()
                         for dt in (np.int32, np.int64)]
     self.ids = np.asarray(targets.document_ids, np.int64)
-    needles = [p for p in targets.paths if p] + [TRUTH_FILE_NAME]
+    needles = [p for p in targets.paths if p] + ([TRUTH_FILE_NAME] if bare_name else [])
     self.needles = needles + [os.path.realpath(p) for p in targets.paths if p]
     if targets.secret is not None:
       self.needles.append(str(targets.secret))
@@ -179,9 +183,16 @@ class _Walk:
           self.visit(getattr(obj, name), f"{where}.{name}", depth + 1)
 
 
-def probe(obj, targets: Targets) -> dict:
-  """{"found": [what and where], "visited": nodes, "arrays": arrays inspected}."""
-  walk = _Walk(targets)
+def module_globals() -> dict[str, dict]:
+  """Module name -> a copy of its globals, for every imported lla module."""
+  return {name: dict(vars(module)) for name, module in sorted(sys.modules.items())
+          if (name == "lla" or name.startswith("lla.")) and module is not None}
+
+
+def probe(obj, targets: Targets, bare_name: bool = True) -> dict:
+  """{"found": [what and where], "visited": nodes, "arrays": arrays inspected}; with
+  `bare_name`, the truth file's name alone counts as a path."""
+  walk = _Walk(targets, bare_name)
   walk.visit(obj, "api", 0)
   return {"found": sorted(walk.found), "visited": walk.visited, "arrays": walk.arrays}
 
@@ -192,7 +203,13 @@ class IsolationProbe:
 
   def __call__(self, ws, budget, key) -> registry.AttackResult:
     targets = Targets.load(os.environ[ENV])
+    # The API, and every lla module's globals: state an attack reaches by importing lla
+    # (a lock's table of held run directories, a cache keyed by path) must hold none of
+    # the targets either while it runs.
     report = probe({"workspace": ws, "budget": budget, "key": key}, targets)
+    # (lla's own constants name the truth file, "truth.safetensors": only the paths count.)
+    report["found"] = sorted(report["found"] + probe(
+        {"lla module globals": module_globals()}, targets, bare_name=False)["found"])
     # What the walk was given, so that a test can tell it walked the whole workspace.
     report["workspace_fields"] = sorted(f.name for f in dataclasses.fields(ws))
     report["capture_files"] = sorted(ws.capture_files)

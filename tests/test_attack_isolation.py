@@ -100,7 +100,7 @@ def test_probe_finds_nothing_through_the_attack_api(setup):
 
 
 def test_the_probe_finds_them_in_the_drivers_objects(setup):
-  root, cap, _, targets = setup
+  root, cap, study, targets = setup
   params, cfg = hf_io.load_hf_dir(root / "hf")
   attacker = replay.Attacker(params, cfg, "tiny", np.load(root / "cal.npy"), "public",
                              {"hf_dir": str(root / "hf")})
@@ -125,3 +125,17 @@ def test_the_probe_finds_them_in_the_drivers_objects(setup):
           in isolation_probe.probe({"workspace": leaky}, targets)["found"])
   leaky = dataclasses.replace(ws, capture_info={"ids": list(DOC_IDS)})
   assert isolation_probe.probe({"workspace": leaky}, targets)["found"]
+  # Module globals: the run directory's lock held (as while a replay runs an attack) is
+  # not found; a module global naming the study is.
+  with rundir.locked(str(study)):
+    assert isolation_probe.probe(isolation_probe.module_globals(), targets,
+                                 bare_name=False)["found"] == []
+    from lla.evidence import hashlog  # pylint: disable=g-import-not-at-top
+    hashlog.LEAKED_FOR_THE_TEST = str(study)
+    try:
+      found = isolation_probe.probe(isolation_probe.module_globals(), targets,
+                                    bare_name=False)["found"]
+    finally:
+      del hashlog.LEAKED_FOR_THE_TEST
+    assert (f"path {str(study)!r} in api['lla.evidence.hashlog']['LEAKED_FOR_THE_TEST']"
+            in found), found

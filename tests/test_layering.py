@@ -138,3 +138,42 @@ def test_the_cycle_scan_finds_lazy_circles(tmp_path):
     LLA = saved
   assert graph["lla.d"] == {"lla.sub.a"}
   assert cycles(graph) == [["lla.sub.a", "lla.sub.b", "lla.sub.c"]]
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+  """Module -> the import chain from `start` to it, for every lla module importing `start`
+  runs: what it imports, transitively, and the packages above each (an import of a.b.c
+  runs a/__init__ and a/b/__init__ first)."""
+  chains, todo = {start: [start]}, [start]
+  while todo:
+    module = todo.pop()
+    parts = module.split(".")
+    for target in sorted(graph.get(module, set()) |
+                         {".".join(parts[:i]) for i in range(1, len(parts))}):
+      if target in graph and target not in chains:
+        chains[target] = chains[module] + [target]
+        todo.append(target)
+  return chains
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_lower_layers_reach_nothing_above_them_transitively(package):
+  """Through any chain of imports (a lower module importing a middle one that imports an
+  upper one), never only directly."""
+  graph = import_graph()
+  bad = []
+  for name in sorted(m for m in graph if m == f"lla.{package}" or
+                     m.startswith(f"lla.{package}.")):
+    for target, chain in sorted(reachable(graph, name).items()):
+      if any(target == f or target.startswith(f + ".") for f in FORBIDDEN[package]):
+        bad.append(" -> ".join(chain))
+  assert not bad, bad[:20]
+
+
+def test_the_transitive_scan_finds_an_indirect_import(tmp_path):
+  graph = {"lla": set(), "lla.scoring": set(), "lla.scoring.a": {"lla.evidence.b"},
+           "lla.evidence": set(), "lla.evidence.b": {"lla.attacks.c"}, "lla.attacks": set(),
+           "lla.attacks.c": set()}
+  chains = reachable(graph, "lla.scoring.a")
+  assert chains["lla.attacks.c"] == ["lla.scoring.a", "lla.evidence.b", "lla.attacks.c"]
+  assert set(chains) == set(graph)  # the packages above each module run too

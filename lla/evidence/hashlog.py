@@ -77,8 +77,10 @@ class _Head:
   inode: int
 
 
-# realpath -> _Head of every log this process verified or appended to.
-_HEADS: dict[str, _Head] = {}
+# (device, inode) of the log file -> _Head of every log this process verified or appended
+# to. Keyed by the file's identity, not its path: module state that an attack could read
+# holds no path to a run (tests/isolation_probe.py walks module globals).
+_HEADS: dict[tuple[int, int], _Head] = {}
 
 
 class HashLog:
@@ -149,7 +151,7 @@ class HashLog:
   def _head(self, f) -> _Head:
     """The verified head of the open, locked log `f`."""
     stat = os.fstat(f.fileno())
-    known = _HEADS.get(os.path.realpath(self.path))
+    known = _HEADS.get((stat.st_dev, stat.st_ino))
     last, torn = _tail_entry(f)
     if (known is not None and not torn and
         (known.size, known.mtime_ns, known.inode) == (stat.st_size, stat.st_mtime_ns,
@@ -193,7 +195,7 @@ class HashLog:
   def _remember(self, f, n_entries: int, last: dict | None) -> _Head:
     stat = os.fstat(f.fileno())
     head = _Head(n_entries, last, stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    _HEADS[os.path.realpath(self.path)] = head
+    _HEADS[(stat.st_dev, stat.st_ino)] = head
     return head
 
 

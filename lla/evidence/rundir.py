@@ -394,9 +394,19 @@ def extending(run_dir: str, always_finalize: bool = False, lock_wait_s: float = 
         finalize(run_dir)
 
 
-# realpath of a run directory -> [fd of its lock file, nesting depth] for the locks this
-# process holds: a holder may take its own lock again (a replay inside `extending`).
-_HELD: dict[str, list] = {}
+# (device, inode) of a run directory -> [fd of its lock file, nesting depth] for the locks
+# this process holds: a holder may take its own lock again (a replay inside `extending`).
+# Keyed by the directory's identity, not its path: module state that an attack could read
+# while the replay holds the lock names no run (tests/isolation_probe.py).
+_HELD: dict[tuple[int, int], list] = {}
+
+
+def _identity(run_dir: str) -> tuple[int, int] | None:
+  try:
+    st = os.stat(run_dir)
+  except FileNotFoundError:
+    return None
+  return st.st_dev, st.st_ino
 
 
 def lock_holder(run_dir: str) -> dict | None:
@@ -429,8 +439,8 @@ def locked(run_dir: str, wait_s: float = 0.0, what: str = ""):
     RunLockedError: another process holds the lock and did not release it within `wait_s`
       seconds (0: refused at once); the message names the holder.
   """
-  key = os.path.realpath(run_dir)
-  if key in _HELD:
+  key = _identity(run_dir)
+  if key is not None and key in _HELD:
     _HELD[key][1] += 1
     try:
       yield
@@ -477,6 +487,7 @@ def locked(run_dir: str, wait_s: float = 0.0, what: str = ""):
     holder["what"] = what
   os.ftruncate(fd, 0)
   os.pwrite(fd, json.dumps(holder, sort_keys=True).encode("utf-8"), 0)
+  key = _identity(run_dir)
   _HELD[key] = [fd, 1]
   try:
     yield
