@@ -318,8 +318,12 @@ def test_capture_cli_on_a_llama_checkpoint(tmp_path):
   h_ref, g_ref = hf_boundary(model, torch.from_numpy(tokens).long(), k)
   assert_close(captured.activations, h_ref, RTOL, "captured h")
   assert_close(captured.gradients, g_ref, RTOL, "captured g")
-  assert captured.metadata["model_info"] == {"family": "llama", "format": "hf-safetensors",
-                                             "dequantisation": "none"}
+  info = captured.metadata["model_info"]
+  assert {k: info[k] for k in ("family", "format", "dequantisation")} == {
+      "family": "llama", "format": "hf-safetensors", "dequantisation": "none"}
+  # Token files fed a directory without a tokenizer; its id covers its config.
+  assert info["tokenizer"] == {"kind": "none"} and info["architecture_sha256"]
+  assert captured.metadata["protocol"]["T"]["model_id"] not in ("", info["params_sha256"])
 
 
 def test_the_llama_twin_has_its_gpt2s_shape_and_size():
