@@ -59,6 +59,7 @@ def runs(tmp_path_factory):
   return setup, tmp, out
 
 
+@pytest.mark.slow
 def test_a_run_replays_bit_for_bit(runs):
   _, tmp, out = runs
   for kind in ("fsha",):
@@ -72,6 +73,7 @@ def test_a_run_replays_bit_for_bit(runs):
   assert out["a"]["fsha"]["steps"] != out["a"]["honest"]["steps"]
 
 
+@pytest.mark.slow
 def test_hijacked_capture_records_the_active_server(runs):
   _, tmp, out = runs
   meta = store.load_capture(tmp / "a" / "captures" / "fsha_s10" / "step_8").metadata
@@ -83,6 +85,7 @@ def test_hijacked_capture_records_the_active_server(runs):
   assert "decoder_sha256" not in honest["active"]
 
 
+@pytest.mark.slow
 def test_fsha_decode_replays_bit_identical(runs):
   setup, tmp, _ = runs
   capture_dir = tmp / "a" / "captures" / "fsha_s10" / "step_8"

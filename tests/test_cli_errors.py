@@ -88,6 +88,7 @@ def _token_cases(root: pathlib.Path, good: np.ndarray) -> list:
   ]
 
 
+@pytest.mark.slow
 def test_capture_binary_bad_inputs_are_one_line(setup, tmp_path):
   root, good = setup
   cases = []  # (what, args, facts, workdir)
@@ -180,6 +181,7 @@ def test_replay_binary_refuses_a_capture_as_workdir_and_a_bad_process_id(setup, 
   assert {name: _tree(root / name) for name in ("cap", "cap_other")} == before
 
 
+@pytest.mark.slow
 def test_regenerate_binary_checks_a_run_and_refuses_what_it_cannot_regenerate(setup, tmp_path):
   """A replayed run regenerates bit for bit (whole and as a one-record-per-module sample); a
   missing run, and a run whose protocol lacks a budget field its module now declares (a run

@@ -54,6 +54,7 @@ def decoy(tmp_path_factory):
   return root, study, config, result, written, predictions
 
 
+@pytest.mark.slow
 def test_records_reproduce_the_decoy_numbers(decoy):
   _, study, config, result, written, _ = decoy
   assert sorted(r.attack for r in written) == sorted(decoy_records.names(config))
@@ -91,6 +92,7 @@ def test_records_reproduce_the_decoy_numbers(decoy):
   assert rundir.verify(study) == []
 
 
+@pytest.mark.slow
 def test_decoy_gate_requires_the_decoy_attacks_only_and_the_table_names_the_arm(decoy):
   """The decoy capture's O holds decoy frames, which no generic attack reads: the gate's
   fitting set is the decoy modules (every registered one, the unrun mlp probes named as
@@ -121,6 +123,7 @@ def test_decoy_gate_requires_the_decoy_attacks_only_and_the_table_names_the_arm(
       f"clip {config.mitigation.grad_clip:g}, noise {config.mitigation.grad_noise:g}")
 
 
+@pytest.mark.slow
 def test_writing_again_reuses_the_records(decoy):
   _, study, config, _, written, predictions = decoy
   rundir.reopen(study)
@@ -131,6 +134,7 @@ def test_writing_again_reuses_the_records(decoy):
   rundir.finalize(study)
 
 
+@pytest.mark.slow
 def test_capture_write_refuses_to_overwrite_and_read_checks_values(decoy, tmp_path):
   root = decoy[0]
   directory = str(root / "decoy" / "capture_none")
@@ -187,6 +191,7 @@ def _crash_before_record(monkeypatch) -> list:
 
 @pytest.mark.parametrize("point", ["predictions_unlogged", "record_not_written",
                                    "record_unlogged"])
+@pytest.mark.slow
 def test_a_crash_at_each_decoy_write_point_resumes_to_a_verifying_study(decoy, tmp_path,
                                                                         monkeypatch, point):
   """The state after the crash, then a resume (the same write again) that reproduces the

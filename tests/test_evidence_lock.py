@@ -187,6 +187,7 @@ def _wait_for_holder(run: pathlib.Path, pid: int, proc) -> dict:
   raise AssertionError("the first replay never took the lock")
 
 
+@pytest.mark.slow
 def test_two_replays_on_one_workdir(setup, tmp_path):
   """A holds the run (its gate attack waits); B, started meanwhile, is refused with one
   line naming A; C, started meanwhile with --lock_wait_s, waits and then extends the run.
