@@ -438,8 +438,9 @@ def test_replay_refuses_bad_inputs_in_process(setup, reference_run, tmp_path):
 def test_regenerate_names_provenance_differences(setup, tmp_path):
   """A record made under another stack: the verdict stands, and every difference is named."""
   root, attacker, _ = setup
-  from lla.model.checkpoint import params_sha256  # pylint: disable=g-import-not-at-top
-  attacker = dataclasses.replace(attacker, model_id=params_sha256(attacker.params))
+  from lla.model import loading  # pylint: disable=g-import-not-at-top
+  # The id regeneration finds on reloading the pinned weights: params, config, tokenizer.
+  attacker = dataclasses.replace(attacker, model_id=loading.load_model(attacker.source).model_id)
   run_dir = root / "run_provenance"
   run(root, attacker, "run_provenance", attacks=["ridge"])
   path = run_dir / "records" / "ridge.json"
