@@ -81,7 +81,8 @@ TOKENS = sorted(VOCAB, key=VOCAB.get)
 assert [VOCAB[t] for t in TOKENS] == list(range(len(TOKENS)))
 
 # SmolLM2's tokenizer.json (HuggingFaceTB/SmolLM2-135M, "pre_tokenizer" and the BPE model's
-# flags): every digit on its own, then GPT-2's byte-level regex; merges applied in full.
+# flags): every digit on its own, then GPT-2's byte-level regex; merges applied in full
+# (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}", then GPT-2's expression).
 SMOLLM2_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
     {"type": "Digits", "individual_digits": True},
     {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
