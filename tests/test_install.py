@@ -7,8 +7,9 @@ runtime that never imports torch.
   lock adds every package of the `test` extra.
 * No top-level import name of lla's distribution belongs to another installed
   distribution (Hugging Face's `kernels`, which transformers requires, was one), and no
-  folder at the repository root, which is on sys.path whenever a binary or the suite runs
-  from there, is a regular package another distribution's name would be shadowed by.
+  regular package at the repository root, which is on sys.path whenever a binary or the
+  suite runs from there, has another distribution's import name: it would shadow it.
+* CI runs the README's test command, on ../shared/data.
 * Importing every module of lla and the main job's binaries in a fresh interpreter leaves
   torch out of sys.modules: the runtime lock has no torch.
 """
