@@ -250,3 +250,16 @@ def test_report_options_name_what_limits_each_attack():
   assert limits["gradient_only"] == {"floor": frontier.ladders.FLOOR_WHY["gradient_only"],
                                      "ceiling": "one run"}
   assert options["levels"] and options["tolerance"] == 1.5
+
+
+def test_runs_table_shows_recorded_over_analytic_flops():
+  """A run recorded at 2e9 whose model predicted 8e9 shows 0.25 (it landed off its level);
+  a run without a model shows nothing."""
+  runs = [frontier.Point("m", "f", 2e9, 0.5, np.array([0.5]), "t", "c1", {}, 8e9),
+          frontier.Point("n", "f", 3e9, 0.5, np.array([0.5]), "t", "c2", {})]
+  rows = frontier.pairwise(runs, (2e9,), TOL, n_replicates=200)
+  lines = frontier._markdown(runs, rows, set(), frontier.level_table(runs, (2e9,), TOL),
+                             (2e9,), frontier.summary(rows, (2e9,), TOL), "f.png")
+  assert "| f | m | — | 2e+09 | 0.25 | 50.00% |  |" in lines
+  assert "| f | n | — | 3e+09 |  | 50.00% |  |" in lines
+  assert runs[0].to_json()["analytic_flops"] == 8e9

@@ -66,7 +66,8 @@ CONFIDENCE = 0.95
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One measured run: its attack, FLOPs, token recovery and per-document recovery [B]."""
+  """One measured run: its attack, FLOPs, token recovery and per-document recovery [B], and
+  the analytic FLOPs its placement predicted (None: no model)."""
 
   attack: str
   family: str
@@ -76,10 +77,12 @@ class Point:
   truth_sha256: str
   cell_id: str
   knobs: dict
+  analytic: float | None = None
 
   def to_json(self) -> dict:
     return {"attack": self.attack, "family": self.family, "flops": self.flops,
-            "recovery": self.recovery, "cell_id": self.cell_id, "knobs": self.knobs}
+            "analytic_flops": self.analytic, "recovery": self.recovery,
+            "cell_id": self.cell_id, "knobs": self.knobs}
 
 
 def points(study: str) -> list[Point]:
@@ -103,7 +106,8 @@ def points(study: str) -> list[Point]:
       per_document = hits / scored
       out.append(Point(record.attack, record.family, float(record.flops),
                        float(hits.sum() / (scored * truth.shape[0])), per_document,
-                       files.sha256_bytes(truth.tobytes()), cell["cell_id"], knobs))
+                       files.sha256_bytes(truth.tobytes()), cell["cell_id"], knobs,
+                       record.flops_analytic))
   return sorted(out, key=lambda p: (p.family, p.attack, p.flops))
 
 
@@ -439,14 +443,18 @@ def _markdown(all_points: list[Point], rows: list[dict], fronts: set[int], table
   budget = budget if budget is not None else budget_table(all_points, levels, tolerance)
   lines = ["## Attacks at matched FLOPs", "",
            f"![token recovery against FLOPs]({figure_link})", "",
-           "| family | attack | budget | FLOPs | token recovery | on the frontier |",
-           "|---|---|---|---|---|---|"]
+           "Recorded FLOPs (XLA's count) and, where the attack has a model, their ratio to "
+           "the analytic FLOPs its placement predicted (far from 1: the run landed off its "
+           "level).", "",
+           "| family | attack | budget | FLOPs | / analytic | token recovery | on the frontier |",
+           "|---|---|---|---|---|---|---|"]
   for attack in sorted({p.attack for p in all_points}):
     runs = [p for p in all_points if p.attack == attack]
     varied = {k for k in runs[0].knobs if len({str(p.knobs.get(k)) for p in runs}) > 1}
     for p in runs:
+      ratio = f"{p.flops / p.analytic:.2f}" if p.analytic else ""
       lines.append(f"| {p.family} | {p.attack} | {_knob_text(p, varied)} | {p.flops:.3g} | "
-                   f"{100 * p.recovery:.2f}% | {'yes' if id(p) in fronts else ''} |")
+                   f"{ratio} | {100 * p.recovery:.2f}% | {'yes' if id(p) in fronts else ''} |")
   family = {p.attack: p.family for p in all_points}
   order = sorted(table, key=lambda a: (family[a], a))
   ranges = attack_ranges(all_points, levels, tolerance)
