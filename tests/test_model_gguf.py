@@ -276,6 +276,26 @@ def test_llama3_rope_freqs_read_as_llama3_scaling(tmp_path):
   assert "\n" not in str(info.value) and "rope_freqs.weight" in str(info.value)
 
 
+def test_linear_rope_scaling_keys_are_read(tmp_path):
+  """`llama.rope.scaling.type` linear and its factor: lla's logits are those of the transformers
+  model with that RoPE (float32 tensors, 512 positions), not the unscaled RoPE's."""
+  source = tiny("llama", max_position_embeddings=1024, rope_parameters=dict(
+      rope_type="linear", rope_theta=1e4, factor=4.0))
+  tokens = np.random.default_rng(1).integers(0, V, (1, 512), dtype=np.int32)
+
+  def extra(writer):
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(4.0)
+
+  write_gguf(source, "llama", gguf.GGMLQuantizationType.F32, tmp_path / "m.gguf", extra=extra)
+  params, cfg, _ = gguf_io.load_gguf(tmp_path / "m.gguf")
+  assert (cfg.rope_type, cfg.rope_factor) == ("linear", 4.0)
+  ours, reference = _logits(source, params, cfg, tokens)
+  assert_close(ours, reference, RTOL, "linear RoPE logits")
+  unscaled, _ = _logits(source, params, cfg.replace(rope_type="default"), tokens)
+  assert np.max(np.abs(unscaled - reference)) > 10 * RTOL * np.max(np.abs(reference))
+
+
 @pytest.mark.parametrize("pattern,base_swa", [(3, None), ([True, False, True, True, True, False], None),
                                               (None, 2e4)])
 def test_gemma3_window_keys_are_read(pattern, base_swa, tmp_path):

@@ -177,8 +177,9 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path,
                     f"(lla reads {', '.join(ARCHITECTURES)})")
   for key in sorted(meta):
     if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in _KNOWN_KEYS:
-      raise GGUFError(f"{path}: {key}={meta[key]!r} is unsupported (lla's decoder does not "
-                      "implement what it sets)")
+      value = repr(meta[key])
+      raise GGUFError(f"{path}: {key}={value if len(value) <= 60 else value[:57] + '...'} is "
+                      "unsupported (lla's decoder does not implement what it sets)")
 
   def get(key, default=None):
     value = meta.get(f"{arch}.{key}", default)
@@ -210,6 +211,8 @@ def _config(meta: dict, tensors: set[str], path: pathlib.Path,
   if scaling not in (None, "none"):
     if scaling != "linear":
       raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is unsupported (linear only)")
+    if get("rope.scaling.factor") is None:
+      raise GGUFError(f"{path}: {arch}.rope.scaling.type 'linear' without rope.scaling.factor")
     raw["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
   if rope_freqs is not None:
     if scaling not in (None, "none"):
