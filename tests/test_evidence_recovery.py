@@ -221,3 +221,29 @@ def test_a_replay_that_raised_is_sealed_without_the_unlogged_file(setup, tmp_pat
   written = [e for e in events[first_seal:] if e.get("file") == rel and "sha256" in e]
   assert written and written[-1]["type"] == event_type
   assert not [e for e in events if e["type"] == "recovered"]
+
+
+def test_a_record_made_by_other_code_runs_again_on_resume(setup, tmp_path, monkeypatch):
+  """The registered code identity changed since a finished record (an lla module the attack
+  imports was edited): resuming runs that attack again (logged retry, with the two
+  identities) instead of reusing a record the gates would count as unmeasured; the other
+  attack's record, made by its registered code, is reused."""
+  from lla.attacks import registry  # pylint: disable=g-import-not-at-top
+  root, attacker, reference = setup
+  run = tmp_path / "run"
+  first = replay.replay(str(run), str(root / "cap"), attacker, ATTACKS, {}, seed=0, mesh=None,
+                        seal=True)
+  assert [r.attack_code_sha256 for r in first] == [
+      registry.source(a)["sha256"] for a in ATTACKS]
+  edited = {**registry.source("ridge"), "sha256": "e" * 64}
+  monkeypatch.setitem(registry._SOURCES, "ridge", edited)  # pylint: disable=protected-access
+  again = replay.replay(str(run), str(root / "cap"), attacker, ATTACKS, {}, seed=0, mesh=None,
+                        seal=True)
+  assert [r.attack_code_sha256 for r in again] == ["e" * 64, first[1].attack_code_sha256]
+  assert again[1] == first[1]  # gradient_only: reused as it was
+  retries = [e for e in _events(run) if e["type"] == "retry"]
+  assert [(e["attack"], e["reason"]) for e in retries] == [
+      ("ridge", f"made by code {first[0].attack_code_sha256[:12]}, registered code is "
+                "eeeeeeeeeeee")]
+  assert rundir.verify(str(run)) == []
+  assert _predictions(run) == _predictions(reference)

@@ -248,14 +248,28 @@ def _check_reuse(run_dir: str, name: str, spec, e: dict, e_hash: str,
                            "to reuse it: use a new --workdir or run prefix")
 
 
-def _finished(run_dir: str, name: str) -> AttackRecord | None:
-  """The stored record of `name` if it finished and its predictions are intact.
+def _finished(run_dir: str, name: str, spec) -> AttackRecord | None:
+  """The stored record of `name` if it finished, its predictions are intact and it was made
+  by the attack's code as registered now.
 
   A crashed attack's record, or predictions whose record was never written (an
   interruption between the two writes), are not results: they are removed, logged, and
-  the attack runs again.
+  the attack runs again. So is a record made by other code (another code identity,
+  lla.attacks.registry.code_identity): the study's threat space lists today's, and a gate
+  counts a record of other code as unmeasured (lla.scoring.gates.stale), so reusing it
+  would leave the study unable to pass.
   """
-  return rundir.finished_record(run_dir, name)
+  record = rundir.finished_record(run_dir, name)
+  code = (registry.source(spec.name) or {}).get("sha256")
+  if record is not None and record.attack_code_sha256 and code and (
+      record.attack_code_sha256 != code):
+    rundir.remove_file(run_dir, f"{rundir.RECORDS}/{name}.json", "retry", attack=name,
+                       previous_status=record.status,
+                       reason=f"made by code {record.attack_code_sha256[:12]}, registered "
+                              f"code is {code[:12]}")
+    rundir.remove_file(run_dir, record.prediction_file, "discard_orphan")
+    return None
+  return record
 
 
 def batch_docs(metadata: dict) -> np.ndarray:
@@ -318,7 +332,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
       record_threat_space(run_dir)
       ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
-      done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name)) for spec in specs}
+      done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name), spec)
+              for spec in specs}
       todo = [spec.name for spec in specs if done[spec.name] is None]
       if todo and spans_processes(ws.mesh):
         dist.send(plan.request(todo, memory_budget_bytes))
