@@ -143,3 +143,36 @@ def test_replacing_a_file_changed_after_it_was_logged_is_refused(tmp_path, cap):
       _utility(run, NEW)
     with pytest.raises(ValueError, match="defense_utility.json: differs from the sha256"):
       rundir.read_logged_json(run, rel)
+
+
+@pytest.mark.parametrize("mode", ["raised", "killed"])
+def test_a_crash_pinning_the_tokenizer_resumes_to_a_verifying_study(tmp_path, cap, monkeypatch,
+                                                                    data_dir, mode):
+  """The tokenizer's definition written, its `input_file` entry not: raised, the study is
+  finalized without it; killed, the next pin logs the same bytes as recovered. Either way
+  the pinned tokenizer is the one given, by hash, and the study verifies."""
+  from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = load_tokenizer(str(data_dir))
+  run = _sealed_study(tmp_path, cap, "threat_space")
+  original, error = hashlog.HashLog.append, Died if mode == "killed" else Crash
+
+  def append(self, event, time=None):
+    if event.get("file") == scorecard.TOKENIZER_FILE and event["type"] == "input_file":
+      raise error(event["file"])
+    return original(self, event, time=time)
+
+  monkeypatch.setattr(hashlog.HashLog, "append", append)
+  if mode == "killed":
+    monkeypatch.setattr(rundir, "finalize", lambda *a, **k: None)
+  with pytest.raises(error):
+    with rundir.extending(run):
+      scorecard.pin_tokenizer(run, tokenizer)
+  monkeypatch.undo()
+  assert (rundir.verify(run) == []) == (mode == "raised")
+  with rundir.extending(run, always_finalize=True):
+    scorecard.pin_tokenizer(run, tokenizer)
+  assert rundir.verify(run) == []
+  assert scorecard.pinned_tokenizer(run).sha256 == tokenizer.sha256
+  kinds = [e["event"]["type"] for e in rundir.log(run).entries()
+           if e["event"].get("file") == scorecard.TOKENIZER_FILE]
+  assert kinds == (["discard_unlogged", "input_file"] if mode == "raised" else ["recovered"])
