@@ -296,7 +296,10 @@ def test_sweep_resumes_verified_cells_and_refuses_changed_ones(ray_sweep, tmp_pa
   refused = subprocess.run(sweep_command(work, workdir), cwd=REPO, env=environment(work),
                            capture_output=True, text=True, timeout=TIMEOUT_S)
   assert refused.returncode != 0
-  assert f"{changed}: missing or changed" in refused.stderr
+  # One line, no traceback (a StudyError is an input error: experiments.cli).
+  assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+  assert refused.stderr.strip().splitlines()[-1].startswith(
+      f"error: {changed}: missing or changed"), refused.stderr[-3000:]
 
 
 def test_a_cell_made_by_another_attack_revision_is_not_resumed(ray_sweep, monkeypatch):

@@ -10,7 +10,11 @@ predictions, byte for byte) and leave a study that verifies; a cell file the log
 hold is never taken for a finished cell.
 """
 
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +23,8 @@ from lla.evidence import hashlog, rundir
 from lla.sweep import driver, study as study_lib
 
 import scaleout_inputs
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 class Crash(Exception):
@@ -135,3 +141,28 @@ def test_a_cell_file_written_outside_the_log_does_not_verify(inputs, tmp_path):
   problems = rundir.verify(str(study))
   assert f"cells/{copy.name}: not in log.jsonl (written outside the run's logged writers)" in (
       problems)
+
+
+def test_the_sweep_binary_refuses_a_changed_result_in_one_line(inputs, tmp_path):
+  """A finished cell whose predictions changed since its cell file (a StudyError): one
+  stderr line naming the file, a non-zero exit, the study untouched."""
+  root, reference = inputs
+  workdir = tmp_path / "sweep"
+  shutil.copytree(reference, workdir)
+  (changed,) = (workdir / "study" / "predictions").glob("*.npy")
+  changed.write_bytes(changed.read_bytes()[:-4] + b"\0\0\0\0")
+  before = (workdir / "study" / rundir.LOG).read_bytes()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  cell = _config(root).cell
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.sweep", "--config=configs/sweep.py:test",
+       f"--config.cell.target.hf_dir={cell.target.hf_dir}",
+       f"--config.cell.pretrained.hf_dir={cell.pretrained.hf_dir}",
+       f"--config.cell.data.tokens_npy={cell.data.tokens_npy}",
+       f"--config.cell.data.calibration_npy={cell.data.calibration_npy}",
+       "--config.cell.capture_batch_size=6", "--config.cell.attacks=ridge",
+       f"--workdir={workdir}"], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith(f"error: {changed}: missing or changed since"), line
+  assert (workdir / "study" / rundir.LOG).read_bytes() == before
