@@ -234,3 +234,18 @@ def test_table_ladders_reach_the_levels(variant):
   assert lonely == []
   levels = isoflop.absolute_levels(c)
   assert len(levels) >= 8 and all(b == pytest.approx(2 * a) for a, b in zip(levels, levels[1:]))
+
+
+def test_calibration_from_a_npy_is_no_knob(two_attack_ladders, tmp_path):
+  """A .npy of calibration documents is used whole (lla.sweep.worker): the ladder raises
+  the candidates alone, its cost counting the file's 10 rows."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  c = two_attack_ladders
+  for name, rows in (("tokens", 4), ("calibration", 10)):
+    np.save(tmp_path / f"{name}.npy", np.zeros((rows, 32), np.int32))
+  c.cell.data.tokens_npy = str(tmp_path / "tokens.npy")
+  c.cell.data.calibration_npy = str(tmp_path / "calibration.npy")
+  lad = ladders.ladder(c.cell.to_dict(), "activation", 100e3)
+  # 4000 x (10 + 5 C) + 100 x 10: C = 1, 2 (61k, 81k), then C = 3 at 101k > 100k ends it.
+  assert list(lad.rungs) == [{"budget.candidates": v} for v in (1, 2, 3)]
+  assert lad.predicted == pytest.approx([61e3, 81e3, 101e3])

@@ -13,11 +13,12 @@ still runs the attack's own algorithm once) to a cap:
     (values about sqrt(2) apart, as configs/sweep._series), so that every knob grows by the
     same factor and each rung costs at most about sqrt(2) times the last: every level in the
     attack's range has a rung within a factor 1.5 of it;
-  - a cap is the calibration documents given (`GIVEN`: the cell's n_calibration or the rows
-    of its calibration .npy), the vocabulary (`VOCAB`), a number (the published setting of
-    a secondary knob), or none: the last knob (steps) rises until the predicted cost passes
-    the largest level x the tolerance. The ladder's last rung is the attack's ceiling, limited
-    by its caps or by the largest level.
+  - a cap is the calibration documents given (`GIVEN`: the cell's n_calibration; a cell
+    whose calibration documents come from a .npy uses all its rows, so there they are no
+    knob), the vocabulary (`VOCAB`), a number (the published setting of a secondary knob),
+    or none: the attack's own iterations rise until the predicted cost passes the largest
+    level x the tolerance. The ladder's last rung is the attack's ceiling, limited by its
+    caps or by the largest level.
 
 Levels, when the config gives none: per evaluation document, a factor 2 apart from the
 cheapest attack's floor up to the first at or above the dearest attack's floor, and one
@@ -171,7 +172,9 @@ def ladder(base: dict, attack: str, top: float) -> Ladder:
   whose predicted cost passes `top` (FLOPs per cell), or where every knob reached its cap."""
   shape = isoflop.shape_of(base)
   given = shape["n_calibration"]
-  own = knobs()[attack]
+  # Calibration documents from a .npy are all used (lla.sweep.worker): no knob there.
+  own = tuple(k for k in knobs()[attack]
+              if not (base["data"].get("calibration_npy") and N_CAL in k.paths))
   rung = {}
   for knob in own:
     floor = min(min_calibration(attack, shape), given) if knob.floor is None else knob.floor
