@@ -185,6 +185,9 @@ def test_min_calibration_leaves_d_rows_and_one_held_out_document():
   assert ladders.min_calibration("sip", {"cfg": cfg(128), "seq_len": 32}) == 4
   assert ladders.min_calibration("ridge", {"cfg": cfg(128), "seq_len": 128}) == 1
   assert ladders.min_calibration("bisr_b", {"cfg": cfg(128), "seq_len": 128}) == 3
+  # The cell's own sip_holdout: 0.5 holds one of 2 out (round(1.0) = 1).
+  assert ladders.min_calibration("sip", {"cfg": cfg(128), "seq_len": 128},
+                                 {"sip_holdout": 0.5}) == 2
 
 
 @pytest.mark.parametrize("variant", ["cpu", "paper"])

@@ -58,7 +58,7 @@ class Knob:
   cap: int | str | None
 
 
-def _k(path: str, floor: int | None, cap) -> Knob:
+def _k(path: str | tuple[str, ...], floor: int | None, cap) -> Knob:
   return Knob((path,) if isinstance(path, str) else tuple(path), floor, cap)
 
 
@@ -112,12 +112,14 @@ FLOOR_WHY = {
 }
 
 
-def min_calibration(attack: str, shape: dict) -> int:
+def min_calibration(attack: str, shape: dict, budget: dict | None = None) -> int:
   """The fewest calibration documents an attack runs on: the ridge's d x d system needs
-  d rows (ceil(d / T) documents); SIP also holds one document out (sip_holdout)."""
+  d rows (ceil(d / T) documents); SIP also holds one document out (the budget's
+  sip_holdout, default where not given)."""
   rows = max(1, math.ceil(shape["cfg"].n_embd / shape["seq_len"]))
   if attack in ("sip", "bisr_f", "bisr_b"):
-    settings = sip.Settings.from_budget(types.SimpleNamespace(**budget_lib.defaults()), "gru")
+    values = {**budget_lib.defaults(), **(budget or {})}
+    settings = sip.Settings.from_budget(types.SimpleNamespace(**values), "gru")
     while sip.split_sizes(settings, rows)[1] < 1:
       rows += 1
   return rows
@@ -177,7 +179,8 @@ def ladder(base: dict, attack: str, top: float) -> Ladder:
               if not (base["data"].get("calibration_npy") and N_CAL in k.paths))
   rung = {}
   for knob in own:
-    floor = min(min_calibration(attack, shape), given) if knob.floor is None else knob.floor
+    floor = (min(min_calibration(attack, shape, base["budget"]), given) if knob.floor is None
+             else knob.floor)
     rung.update({path: floor for path in knob.paths})
   rungs, costs = [dict(rung)], [_cost(base, attack, rung)]
   rising = list(own)
