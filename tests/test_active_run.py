@@ -15,7 +15,7 @@ from lla.capture import store
 from lla.data import passages
 from lla.evidence import rundir
 from lla.model import checkpoint as ckpt
-from lla.model import gpt2
+from lla.model import gpt2, loading
 
 V, T = 64, 8
 SEED = 10  # With 8 steps its SplitGuard plan has fake batches after R1 and R2 fill.
@@ -43,7 +43,10 @@ def _setup(tmp: pathlib.Path, cfg=None, params=None, num_steps: int = 8) -> run.
   pilot, _ = fsha.pretrain(fsha.init_pilot(spec, jax.random.key(1)),
                            [windows[i:i + 4] for i in range(0, 16, 4)], 1e-3)
   cspec = client.ClientSpec.make(cfg, 1, config.client_optimizer, num_steps)
-  return run.Setup(config, "test-config", cfg, params, base.sha256,
+  # The base's model id as the loader gives it (params, config, tokenizer): what replay's
+  # regeneration finds on reloading it.
+  base_id = loading.load_model({"checkpoint": str(base.path)}).model_id
+  return run.Setup(config, "test-config", cfg, params, base_id,
                    {"checkpoint": str(base.path)}, splits, windows[32:], pilot, "test-pilot",
                    cspec)
 
