@@ -10,8 +10,10 @@ ROUGE-L (inputs/tokenizer.json). Today's attack registry is never read for a ver
 an attack registered since, or one unknown today, changes nothing.
 
 Without a scorecard, scores the run with --config and writes scorecard.json / scorecard.md
-(a run that records no threat space gets today's registry recorded first, the first
-scoring pins the GPT-2 tokenizer of $LLA_DATA_DIR). With one, rebuilds it from its own
+(a run that records no threat space gets today's registry recorded first; text ROUGE-L
+uses the tokenizer the study pins, and a study that pins none gets its token metrics and
+its text metrics marked unavailable with the reason: nothing is read from $LLA_DATA_DIR,
+whose GPT-2 tokenizer need not be the study's model's). With one, rebuilds it from its own
 recorded inputs and exits non-zero (listing differing JSON paths) unless the bytes match;
 if records were added or retried, or the threat space was rewritten, since it was written
 (a later replay extended the run), it is stale: it is rebuilt from what the study holds now
@@ -135,13 +137,10 @@ def main(argv):
         raise ValueError(str(e)) from None
     pol = policy.load_policy(cfg.policy)
     if not os.path.exists(path):
-      if cfg.text_rouge and scorecard.pinned_tokenizer(run) is None:
-        # The first scoring pins the data directory's tokenizer: found before any write.
-        from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
-        load_tokenizer()
+      # From the study alone: its pinned tokenizer, or text metrics marked unavailable.
       with rundir.extending(run):
         _record_if_absent(run)
-        card = scorecard.score_run(run, cfg)
+        card = scorecard.score_run(run, cfg, study_alone=True)
       print(f"wrote {path}")
     else:
       old = files.read_json(path)

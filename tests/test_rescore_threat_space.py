@@ -98,8 +98,12 @@ def study(tmp_path_factory, data_dir):
   revisions = {m["name"]: m["revision"] for m in registry.module_entries()}
   syn.make_run(str(run), str(root / "cap"),
                _specs({**families, "ghost_attack": "ghost_family"}, revisions),
-               policy_lib.load_policy().sha256)
-  proc = rescore(run, "--plugins=ghost_plugin", data_dir=data_dir, plugins_dir=plugins)
+               policy_lib.load_policy().sha256, finalize=False)
+  # Its writer pins the tokenizer of its model (the data directory's GPT-2 one here):
+  # scoring reads nothing outside the study, the data directory included.
+  scorecard.pin_tokenizer(str(run), load_tokenizer(data_dir))
+  rundir.finalize(str(run))
+  proc = rescore(run, "--plugins=ghost_plugin", plugins_dir=plugins)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"wrote {run}/scorecard.json" in proc.stdout
   return root, run, plugins, names
@@ -123,7 +127,7 @@ def test_first_scoring_records_the_registry_and_pins_the_tokenizer(study, data_d
   card = files.read_json(str(run / rundir.SCORECARD_JSON))
   assert card["inputs"]["modules_file"] == {"file": "inputs/threat_space.json",
                                             "sha256": _sha256_of(run / threat_space.FILE)}
-  # The tokenizer text ROUGE-L decoded with is the data directory's, pinned in the study.
+  # The tokenizer text ROUGE-L decoded with is the one the study pinned.
   tokenizer = load_tokenizer(data_dir)
   assert card["inputs"]["tokenizer_sha256"] == tokenizer.sha256
   assert _sha256_of(run / scorecard.TOKENIZER_FILE) == tokenizer.sha256
@@ -257,14 +261,21 @@ def test_rescore_errors_are_one_line(study, tmp_path):
     assert proc.returncode != 0
     assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "Traceback" not in proc.stderr
-  # A first scoring with no tokenizer anywhere: one line, naming where to put the data.
+  # A first scoring of a study that pins no tokenizer, with no data directory: token
+  # metrics (3 of the 32 tokens of each document, as the run was made), text metrics marked
+  # unavailable with the reason, never GPT-2's tokenizer; rescored byte for byte.
   fresh = tmp_path / "fresh"
   syn.make_capture(str(tmp_path / "cap"), syn.truth_tokens(docs=4))
   syn.make_run(str(fresh), str(tmp_path / "cap"), [syn.Spec("activation", "b", 3)],
                policy_lib.load_policy().sha256)
-  before = {p: p.read_bytes() for p in fresh.rglob("*") if p.is_file()}
   proc = rescore(fresh)
-  assert proc.returncode != 0
-  assert {p: p.read_bytes() for p in fresh.rglob("*") if p.is_file()} == before
-  assert "LLA_DATA_DIR" in proc.stderr.strip().splitlines()[-1]
-  assert "Traceback" not in proc.stderr
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  card = files.read_json(str(fresh / rundir.SCORECARD_JSON))
+  (row,) = card["rows"]
+  assert row["metrics"]["token_recovery"] == 3 / 32 and row["metrics"]["n"] == 4 * 32
+  assert row["similarity"]["rouge_l_text"] is None
+  assert card["similarity_note"] == scorecard.NO_PINNED_TOKENIZER
+  assert card["inputs"]["tokenizer_sha256"] is None
+  assert not (fresh / scorecard.TOKENIZER_FILE).exists()
+  proc = rescore(fresh)
+  assert proc.returncode == 0 and "reproduced byte for byte" in proc.stdout, proc.stderr

@@ -213,7 +213,8 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
           modules: list[dict] | str | None = STUDY,
           qualification_evidence: list[dict] | None = None,
           secondary: list[tuple[str, str]] = (),
-          contrasts: bool = True, tokenizer=None) -> dict:
+          contrasts: bool = True, tokenizer=None,
+          text_unavailable: str | None = None) -> dict:
   """Scores a run directory. This is the function the main job calls.
 
   Args:
@@ -231,6 +232,8 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
     contrasts: False skips the bootstrap (gates only; recorded in "inputs").
     tokenizer: the tokenizer (lla.data.tokenizer) text ROUGE-L decodes with; None
       leaves that metric out, and the scorecard says so.
+    text_unavailable: why text metrics are unavailable (with tokenizer None), said in the
+      scorecard's note and kept in its inputs, so that a rebuild says it again.
   Returns:
     The scorecard as a JSON-ready dict (schema lla.scorecard.v1).
   """
@@ -299,7 +302,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
                "wall_s_total": sum(r.wall_s or 0.0 for r in records)},
       # The wording predates other models' tokenizers; kept, as sealed scorecards carry it
       # and rescore reproduces them byte for byte.
-      "similarity_note": (None if tokenizer is not None else
+      "similarity_note": (None if tokenizer is not None else text_unavailable or
                           "rouge_l_text not computed: no GPT-2 tokenizer was given"),
       "qualification": (qualification_lib.matrix(
           modules or [], qualification_evidence or [])
@@ -312,6 +315,9 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
           "secondary": [list(p) for p in secondary],
           "contrasts": contrasts,
           "tokenizer_sha256": None if tokenizer is None else tokenizer.sha256,
+          # Only where said: scorecards from before the field rebuild byte for byte.
+          **({"text_unavailable": text_unavailable}
+             if tokenizer is None and text_unavailable else {}),
       },
   }
 
@@ -423,7 +429,8 @@ def build_from_inputs(run_dir: str, inputs: dict,
                modules, inputs.get("qualification_evidence"),
                [tuple(p) for p in inputs.get("secondary", [])],
                inputs.get("contrasts", True),
-               tokenizer_for(run_dir, inputs.get("tokenizer_sha256")))
+               tokenizer_for(run_dir, inputs.get("tokenizer_sha256")),
+               inputs.get("text_unavailable"))
   now = card["inputs"]["modules_file"]
   if modules_file is not None and not refresh and now != modules_file:
     raise ValueError(f"{threat_space_lib.FILE}: not the threat space the scorecard was "
@@ -603,9 +610,15 @@ def threat_space_from_config(cfg) -> coverage_lib.ThreatSpace:
       tuple(tuple(x) for x in t["declared_unmeasured"]))
 
 
+# Why a study scored from its files alone has no text metrics.
+NO_PINNED_TOKENIZER = ("rouge_l_text unavailable: the study pins no tokenizer "
+                       f"({TOKENIZER_FILE}); token metrics are complete, text metrics need "
+                       "the tokenizer of the study's model pinned by whoever made it")
+
+
 def score_run(run_dir: str, cfg, modules: list[dict] | str | None = STUDY,
               qualification_evidence: list[dict] | None = None,
-              overwrite: bool = False) -> dict:
+              overwrite: bool = False, study_alone: bool = False) -> dict:
   """Builds and writes scorecard.json / scorecard.md for a finished run.
 
   The main job calls this after the last record, then `rundir.finalize`.
@@ -618,20 +631,27 @@ def score_run(run_dir: str, cfg, modules: list[dict] | str | None = STUDY,
       in `build`.
     qualification_evidence: see `qualification.matrix`.
     overwrite: replace an existing scorecard (otherwise FileExistsError).
+    study_alone: score from the study's files alone (`rescore`): a study that pins no
+      tokenizer gets no text metrics, marked unavailable with the reason
+      (NO_PINNED_TOKENIZER), never GPT-2's tokenizer from $LLA_DATA_DIR, which may not be
+      the study's model's and needs a directory outside the study.
   """
-  tokenizer = None
+  tokenizer = text_unavailable = None
   if cfg.text_rouge:
     # The study's own tokenizer (a model with its own pins it before scoring); otherwise
-    # the first scoring pins the GPT-2 tokenizer of $LLA_DATA_DIR, so that every rescore
-    # after it needs nothing outside the study.
+    # the main job's first scoring pins the GPT-2 tokenizer of $LLA_DATA_DIR (the models it
+    # trains are GPT-2's), so that every rescore after it needs nothing outside the study.
     tokenizer = pinned_tokenizer(run_dir)
-    if tokenizer is None:
-      from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
-      tokenizer = load_tokenizer()
-    pin_tokenizer(run_dir, tokenizer)
+    if tokenizer is None and study_alone:
+      text_unavailable = NO_PINNED_TOKENIZER
+    else:
+      if tokenizer is None:
+        from lla.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
+        tokenizer = load_tokenizer()
+      pin_tokenizer(run_dir, tokenizer)
   card = build(run_dir, policy_lib.load_policy(cfg.policy),
                threat_space_from_config(cfg.threat_space), modules,
                qualification_evidence, [tuple(p) for p in cfg.secondary],
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, text_unavailable=text_unavailable)
   write(run_dir, card, overwrite)
   return card
