@@ -75,14 +75,19 @@ def test_split_training_and_fsha_decode(tmp_path, family):
 
 
 def test_the_binary_refuses_a_vocabulary_the_documents_overflow(tmp_path, data_dir):
-  """WikiText-2's GPT-2 token ids on a 64-token model would be clamped by the embedding
-  lookup: the binary refuses the pairing with one line, and trains nothing."""
+  """A Llama directory without a tokenizer is not cut with GPT-2's (one line); given GPT-2's
+  tokenizer.json, WikiText-2's GPT-2 token ids on its 64-token vocabulary would be clamped by
+  the embedding lookup: the binary refuses the pairing with one line, and trains nothing."""
   from test_cli_errors import _one_line, _run
+  from lla.data import tokenizer as tokenizer_lib
   hf_io.save_hf_dir(decoder.random_params(CONFIGS["llama"], seed=2), CONFIGS["llama"],
                     tmp_path / "llama")
-  proc = _run("active_server", "--config=configs/active.py:tiny",
-              f"--config.model.hf_dir={tmp_path / 'llama'}",
-              f"--config.data.data_dir={data_dir}", f"--workdir={tmp_path / 'run'}")
+  run = lambda: _run("active_server", "--config=configs/active.py:tiny",
+                     f"--config.model.hf_dir={tmp_path / 'llama'}",
+                     f"--config.data.data_dir={data_dir}", f"--workdir={tmp_path / 'run'}")
+  assert "without its tokenizer" in _one_line(run(), "tokenizer")
+  tokenizer_lib.load_tokenizer(data_dir).backend.save(str(tmp_path / "llama" / "tokenizer.json"))
+  proc = run()
   line = _one_line(proc, "vocabulary")
   prefix = "active_server: the documents hold token id "
   assert line.startswith(prefix), line
