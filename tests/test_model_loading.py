@@ -12,7 +12,6 @@ import pathlib
 import shutil
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 import tokenizers

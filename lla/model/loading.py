@@ -173,14 +173,16 @@ def architecture(model: ml_collections.ConfigDict) -> GPT2Config | DecoderConfig
                        tie_embeddings=model.tie_embeddings, dtype=model.dtype)
 
 
-def source_of(model: ml_collections.ConfigDict | dict) -> dict:
-  """The source fields a model config sets ({"hf_dir": DIR}, ...): how to load it again."""
-  return {k: model[k] for k in SOURCES if model.get(k)}
-
-
 def first_source(model: ml_collections.ConfigDict | dict) -> str | None:
   """The source field `load_model` reads (the first of `SOURCES` set), or None."""
-  return next(iter(source_of(model)), None)
+  return next((k for k in SOURCES if model.get(k)), None)
+
+
+def source_of(model: ml_collections.ConfigDict | dict) -> dict:
+  """The source `load_model` reads, as {field: value} ({} for none): how to load the model
+  again (the other fields a config sets are never read)."""
+  first = first_source(model)
+  return {first: model[first]} if first else {}
 
 
 def gguf_path(model: ml_collections.ConfigDict) -> str:

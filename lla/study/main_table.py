@@ -261,9 +261,8 @@ def active_server(config, workdir: pathlib.Path, base_source: dict) -> None:
   # The base from a checkpoint pre-trained here, a GGUF file or a directory: the tier loads
   # it, and its tokenizer, as this job did (a file's architecture is its own; a checkpoint's
   # is checked against the tier's model config).
-  for field in ("checkpoint", "gguf", "hf_dir"):
-    if field in base_source:
-      active.model[field] = base_source[field]
+  for field in loading.SOURCES:
+    active.model[field] = base_source.get(field, "")
   active_run.run(active, str(workdir / ACTIVE))
 
 
