@@ -420,11 +420,14 @@ def _synthetic_specs():
   # A PASS needs every registered attack that fits the defended capture measured (PROTOCOL
   # section 5a): under the projection, each of them recovers nothing.
   family = {m["name"]: m["family"] for m in registry.module_entries()}
+  # Each record at its attack's registered revision (another counts as unmeasured).
+  revision = {m["name"]: m["revision"] for m in registry.module_entries()}
   others = [(name, family[name]) for name in PROJECTION_FITTING + _plugins()
             if name not in ("activation", "joint")]
   specs = []
   for m in range(3):
-    specs += [syn.Spec(name, family, 0, m, defense="projection") for name, family in others]
+    specs += [syn.Spec(name, family, 0, m, defense="projection",
+                       attack_revision=revision[name]) for name, family in others]
     specs += [syn.Spec("activation", "beam_inversion", 28, m, jitter=1),
               syn.Spec("joint", "beam_inversion", 31, m, jitter=1),
               syn.Spec("shuffled_gradients", "beam_inversion", 28, m, jitter=1),
