@@ -177,11 +177,13 @@ def test_text_rouge_decodes_with_the_models_tokenizer_pinned_in_the_study(finish
 def test_a_second_run_resumes_and_changes_nothing(finished):
   root, path, _ = finished
   out = root / "out"
-  before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+  # Every file, none filtered out: the lock file (RUN/.lock) is removed as it is released.
+  before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
   proc = _run(out, path)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
+  after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
   assert after == before
+  assert not any(p.name == rundir.LOCK for p in after)
 
 
 def test_bad_inputs_are_one_line(finished, tmp_path):
