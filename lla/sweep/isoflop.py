@@ -27,19 +27,16 @@ models lie within ~10% of it for the built-in attacks.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Sequence
 
 import ml_collections
-import numpy as np
 
 from lla.attacks import flops as flops_lib
-from lla.model.gpt2 import GPT2Config
 from lla.sweep import cells as cells_lib
+from lla.sweep.cell_shape import TOLERANCE, rung_cell, shape_of
 
-TOLERANCE = 1.5  # default: within a factor 1.5 of a level, both ways
 _SLACK = 1e-9    # relative: a cost exactly at the bound counts
 
 
@@ -83,34 +80,6 @@ class Placement:
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def _npy_rows(path: str) -> tuple[int, ...]:
-  return tuple(np.load(path, mmap_mode="r").shape)
-
-
-def shape_of(cell: dict) -> dict:
-  """The arguments of lla.attacks.flops.attack_flops that a cell config fixes."""
-  target, data = cell["target"], cell["data"]
-  cfg = GPT2Config(vocab_size=int(target["vocab_size"]), n_positions=int(target["n_positions"]),
-                   n_embd=int(target["n_embd"]), n_layer=int(target["n_layer"]),
-                   n_head=int(target["n_head"]))
-  if data.get("tokens_npy"):
-    num_docs, seq_len = _npy_rows(data["tokens_npy"])[:2]
-    n_calibration = _npy_rows(data["calibration_npy"])[0]
-  else:
-    num_docs, seq_len = int(data["n_eval"]), int(data["seq_len"])
-    n_calibration = int(data["n_calibration"])
-  return dict(cfg=cfg, cut=int(cell["cut"]), num_docs=num_docs, seq_len=seq_len,
-              n_calibration=n_calibration)
-
-
-def rung_cell(base: dict, knobs: Sequence[tuple[str, Sequence]], rung: int) -> dict:
-  """A copy of the cell config `base` with rung `rung` of every knob path assigned."""
-  cell = copy.deepcopy(base)
-  for path, ladder in knobs:
-    cells_lib.assign(cell, path, ladder[rung])
-  return cell
 
 
 def predicted(base: dict, attack: str, knobs: Sequence[tuple[str, Sequence]]) -> list:

@@ -40,7 +40,7 @@ from lla.attacks import budget as budget_lib
 from lla.attacks import flops as flops_lib
 from lla.attacks import registry
 from lla.attacks.published import sip
-from lla.sweep import isoflop
+from lla.sweep import cell_shape
 
 GIVEN, VOCAB = "given", "vocab"
 N_CAL = "data.n_calibration"
@@ -164,15 +164,15 @@ class Ladder:
 
 
 def _cost(base: dict, attack: str, rung: dict) -> float:
-  cell = isoflop.rung_cell(base, tuple((path, (value,)) for path, value in rung.items()), 0)
-  return flops_lib.attack_flops(attack, budget=cell["budget"], **isoflop.shape_of(cell))
+  cell = cell_shape.rung_cell(base, tuple((path, (value,)) for path, value in rung.items()), 0)
+  return flops_lib.attack_flops(attack, budget=cell["budget"], **cell_shape.shape_of(cell))
 
 
 def ladder(base: dict, attack: str, top: float) -> Ladder:
   """`attack`'s ladder on the cell config `base`: from its floor rung, the knobs raised in
   turn one series step each (every knob grows by the same factor), its last rung the first
   whose predicted cost passes `top` (FLOPs per cell), or where every knob reached its cap."""
-  shape = isoflop.shape_of(base)
+  shape = cell_shape.shape_of(base)
   given = shape["n_calibration"]
   # Calibration documents from a .npy are all used (lla.sweep.worker): no knob there.
   own = tuple(k for k in knobs()[attack]
@@ -225,8 +225,8 @@ def generate(cell: dict, frontier: dict) -> tuple[dict[str, Ladder], tuple[float
   """The ladders of the frontier's attacks that have knobs here (their entries in
   frontier["knobs"] left empty) and the per-document levels (frontier["levels"], or derived
   from the floors of those and of the attacks that run once, frontier["fixed"])."""
-  shape = isoflop.shape_of(cell)
-  tolerance = float(frontier.get("tolerance") or isoflop.TOLERANCE)
+  shape = cell_shape.shape_of(cell)
+  tolerance = float(frontier.get("tolerance") or cell_shape.TOLERANCE)
   names = [name for name, given in frontier.get("knobs") or () if not given
            and name in knobs()]
   levels = tuple(float(x) for x in frontier.get("levels") or ())
@@ -251,7 +251,7 @@ def from_target(cell: dict, frontier: dict) -> dict:
 def describe(cell: dict, frontier: dict) -> str:
   """Per attack: its floor and ceiling (predicted FLOPs per cell) and what limits each."""
   ladders, levels = generate(cell, frontier)
-  docs = isoflop.shape_of(cell)["num_docs"]
+  docs = cell_shape.shape_of(cell)["num_docs"]
   lines = [f"ladders from the target: levels {', '.join(f'{x * docs:.3g}' for x in levels)} "
            "FLOPs per cell"]
   for name, lad in ladders.items():
