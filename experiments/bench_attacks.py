@@ -25,7 +25,7 @@ warm (every executable already compiled). Reported per capture and attack:
     to a temporary directory. The main process itself keeps the persistent cache off, so
     that its in-process cold time is a compilation from scratch (a later attack's still
     reuses the executables an earlier one compiled in the process);
-  * on GPU and TPU, `kernels.vocab_topk` (the platform's Pallas kernel) against its
+  * on GPU and TPU, `lla_kernels.vocab_topk` (the platform's Pallas kernel) against its
     reference at --kernel_rows x --kernel_d x --kernel_vocab, top --kernel_k (kernels.compare;
     experiments/bench_kernels.py has the CPU interpret-mode check).
 
@@ -318,7 +318,7 @@ def kernel_comparison(device: jax.Device) -> dict:
   """vocab_topk's Pallas kernel against its reference on `device` (GPU or TPU), at the
   process's matmul precision (the attacks'); on CPU a line saying where the check is."""
   if device.platform == "cpu":
-    note = ("the Pallas kernel of kernels.vocab_topk against its reference needs an "
+    note = ("the Pallas kernel of lla_kernels.vocab_topk against its reference needs an "
             "accelerator; on CPU its interpret-mode comparison is in "
             "tests/test_kernels_vocab_topk.py (and experiments/bench_kernels.py)")
     print(f"kernel: {note}")

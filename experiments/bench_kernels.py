@@ -1,10 +1,10 @@
-"""Benchmark: kernels.vocab_topk against XLA's materialise-and-top_k.
+"""Benchmark: lla_kernels.vocab_topk against XLA's materialise-and-top_k.
 
 R query rows against a V x d table (default: B*T = 8192 positions, GPT-2's d = 768 and
 V = 50257, k = 32). For each score kind it runs, on the chosen device:
 
   * xla:    the [R, V] scores materialised, then `lax.top_k` (vocab_topk_reference);
-  * topk:   `kernels.vocab_topk.topk(impl="auto")`: the Pallas kernel on GPU (Triton) and
+  * topk:   `lla_kernels.vocab_topk.topk(impl="auto")`: the Pallas kernel on GPU (Triton) and
             TPU (Mosaic), the reference itself on CPU;
   * on CPU, the Mosaic-style kernel in Pallas interpret mode on the first
     --interpret_rows rows: an agreement check of the kernel's algorithm at full V and

@@ -7,7 +7,7 @@ once per precision, each precision in a fresh process (executables are cached pe
 process): float32, and bfloat16 = the attacker's model with compute dtype bfloat16
 (weights and activations rounded to bf16 at every matmul, GPT2Config.dtype) and the
 vocabulary scans on bf16 operands with float32 accumulation (JAX's "bfloat16" matmul
-precision, read by kernels.vocab_topk). Reported per attack: the fraction of predicted
+precision, read by lla_kernels.vocab_topk). Reported per attack: the fraction of predicted
 tokens that agree with the float32 run, the same over the tokens the float32 run
 recovered (agree|right), and each run's accuracy against the truth. The emulation also
 rounds every matmul's output to bf16 (the model's bf16 compute dtype), which a GPU's

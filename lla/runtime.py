@@ -17,7 +17,7 @@ The matmul precision of every float32 matrix product ($LLA_MATMUL_PRECISION):
                  bf16's mantissa, the closest to float32 while the >= 99.9% agreement
                  with float32 has not been measured on an accelerator
   bfloat16       JAX's "bfloat16" (XLA's DEFAULT: one bf16 pass on TPU; on GPU XLA's own
-                 choice for float32 GEMMs), and the vocabulary scans of kernels.vocab_topk
+                 choice for float32 GEMMs), and the vocabulary scans of lla_kernels.vocab_topk
                  take bfloat16 operands with float32 accumulation on every backend
   auto           float32 on CPU, tensorfloat32 on GPU and TPU
 

@@ -1,4 +1,4 @@
-"""kernels.vocab_topk: the Pallas kernel (interpret mode on CPU) against its reference, and
+"""lla_kernels.vocab_topk: the Pallas kernel (interpret mode on CPU) against its reference, and
 the reference against numpy brute force.
 
 Integer-valued inputs make every score exact in float32 and in bfloat16 products with

@@ -2,7 +2,7 @@
 
 All functions are batched over documents and positions. Sorting is stable: `lax.top_k`
 returns equal values in index order, so ties go to the lower token id (or lower rank).
-The vocabulary-wide rankings go through `kernels.vocab_topk.topk`: on CPU the same
+The vocabulary-wide rankings go through `lla_kernels.vocab_topk.topk`: on CPU the same
 materialise-and-`lax.top_k` computation as ever (bit-identical), on GPU and TPU a Pallas
 kernel that never materialises the [positions, V] scores. The kernel ranks the same scores
 with the same tie-breaks; its tiled matmuls round differently from one large matmul, so
