@@ -12,9 +12,7 @@ FLOPs are XLA's cost analysis of that very executable, added once per invocation
 attack's FLOPs are therefore what it executed, loops included: XLA counts a loop body once,
 so a loop either runs from Python, each iteration counted, or as one `Workspace.scan`,
 whose executable is nothing but the loop and is charged its body's count times the trip
-count (tested equal to the per-iteration sum). The models' own loops over their layers
-(lla.model.decoder.scan_layers) are counted in full: `_layer_loop_flops` adds the
-iterations after the first. Shared
+count (tested equal to the per-iteration sum). Shared
 stages keep their own FLOPs, compile and wall time, and every attack that uses a stage is
 charged its full cost, as if it had run alone; the record lists the stages it was charged.
 """
@@ -26,7 +24,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import time
 import types
 from typing import Any, Callable, Mapping
@@ -34,7 +31,6 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lib import xla_client
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lla import dist
@@ -43,7 +39,6 @@ from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
 from lla.attacks import ridge
 from lla.model import cost
-from lla.model import decoder
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -79,7 +74,6 @@ def run_steps(step, consts, state, xs, **static):
 def _flops_of(executable) -> float | None:
   try:
     cost = executable.cost_analysis()
-    layer_loops = _layer_loop_flops(executable)
   except Exception:  # Backends without cost analysis raise assorted errors.
     return None
   if isinstance(cost, (list, tuple)):
@@ -87,36 +81,7 @@ def _flops_of(executable) -> float | None:
   if cost is None:
     return None
   # An executable without arithmetic (allocation, gathers) has no "flops" entry: zero.
-  return max(float(cost.get("flops", 0.0)), 0.0) + layer_loops
-
-
-# A while loop of the model's layers (lla.model.decoder.scan_layers) in compiled HLO text:
-# its body computation and trip count.
-_LAYER_LOOP = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+).*op_name=\"[^\"]*"
-                         + re.escape(decoder.LAYER_LOOP_SCOPE)
-                         + r"[^\"]*\".*\"known_trip_count\":\{\"n\":\"(\d+)\"\}")
-
-
-def _layer_loop_flops(executable) -> float:
-  """The FLOPs of every iteration but the first of the layer loops of a compiled executable.
-
-  XLA's cost analysis counts a while loop's body once; the blocks of every model run as one
-  loop over the layers (`scan_layers`), so the executable's count plus this is what ran, as
-  when the layers were unrolled. Each loop body is counted by XLA as the entry of a copy of
-  the module. A `Lowered` (no executable yet) has nothing added."""
-  if not hasattr(executable, "runtime_executable"):
-    return 0.0
-  runtime_executable = executable.runtime_executable()
-  text = runtime_executable.hlo_modules()[0].to_string()
-  flops = 0.0
-  for body, trips in _LAYER_LOOP.findall(text):
-    lines = [line.removeprefix("ENTRY ") for line in text.splitlines()]
-    lines = ["ENTRY " + line if re.match(rf"%?{re.escape(body)} ", line) else line
-             for line in lines]
-    module = xla_client.hlo.hlo_module_from_text("\n".join(lines))
-    cost = xla_client._xla.hlo_module_cost_analysis(runtime_executable.client, module)  # pylint: disable=protected-access
-    flops += (int(trips) - 1) * max(float(cost.get("flops", 0.0)), 0.0)
-  return flops
+  return max(float(cost.get("flops", 0.0)), 0.0)
 
 
 def _signature(x):

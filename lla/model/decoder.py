@@ -3,26 +3,9 @@
 One frozen `DecoderConfig` describes every family; one module `Decoder` implements them with
 the same entry points as `lla.model.gpt2.GPT2` (`embed`, `blocks` over a layer range, `head`,
 and the KV-cached one-token `blocks_step`), so `lla.model.split` dispatches on the config's
-type and the callers of the split do not change. GPT-2 itself stays in `gpt2.py` (its
-parameter tree and every existing checkpoint hash are unchanged); `GPT2Config` exposes
+type and the callers of the split do not change. GPT-2 itself stays in `gpt2.py`, untouched
+(its parameter tree and every existing checkpoint hash are unchanged); `GPT2Config` exposes
 the same descriptive properties (`family`, `norm`, `mlp`, `positions`, `n_kv_head`, ...).
-
-Scanned layers (both modules, `scan_layers`): a range of blocks is one `jax.lax.scan` of a
-single layer body over the layers' parameters stacked along a leading axis, so a program
-that runs blocks start..stop-1 (the client, the server, the one-token step) has the size of
-one layer whatever the depth. The stacking happens inside the traced function, from the
-HF-named tree (`layers_{i}/...`, GPT-2's `h_{i}/...`), rather than once at load: that tree
-stays the only form anything outside the modules sees (checkpoints, `params_sha256`, model
-ids, the client's and server's shares by `split.client_layer_names`, the frozen-layer
-masks of training, per-layer gradients), so no caller changes, and the copy it costs is one
-concatenate of the range's weights per call, small next to the layers' own matmuls. What
-differs between layers is scanned data, not Python branches: each layer's window
-(`layer_windows`) and the row of the RoPE tables it rotates with (`rope_index`, Gemma-3's
-local RoPE); `init` alone calls the layers one by one, to create their named parameters.
-XLA's cost analysis counts a loop's body once: the loops are named (`LAYER_LOOP_SCOPE`) and
-the FLOP meter (lla.attacks.workspace) adds their other iterations. The one-token step runs
-its first layer outside the loop, where XLA still computes a candidate token's first block
-once for all the beams that extend it, as it did with the layers unrolled.
 
 Semantics are those of transformers 5.x's eager attention (`LlamaForCausalLM` and its
 relatives), formula by formula (../shared/notes/model-families.md, section 2):
@@ -30,7 +13,7 @@ relatives), formula by formula (../shared/notes/model-families.md, section 2):
 * RMSNorm `w * (x * rsqrt(mean(x^2) + eps))` (Gemma: `(1 + w) * ...`), or LayerNorm.
 * RoPE, half-split (`rotate_half`, GPT-NeoX) convention, `inv_freq` computed in float32
   numpy by HF's formula (default, `linear`, `llama3`), `cos/sin` from one shared function of
-  the position ids (`rope_tables`) in both the batched blocks and the one-token step.
+  the position ids in both the batched blocks and the one-token step.
 * GQA: query head `h` reads KV head `h // (H / H_kv)`; scores `q k^T * head_dim^-0.5`,
   softmax in float32; Mistral/Qwen sliding window: key `j` visible to query `i` iff
   `i - W < j <= i`.
@@ -55,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -148,6 +130,14 @@ class DecoderConfig:
       return 0
     return self.sliding_window if (not self.window_layers or self.window_layers[layer]) else 0
 
+  def rope_of(self, layer: int) -> "DecoderConfig":
+    """The config whose RoPE fields `layer` rotates with: a windowed layer of a config with
+    `local_rope_theta` has its own default RoPE (Gemma-3's local layers)."""
+    if self.local_rope_theta and self.window(layer):
+      return dataclasses.replace(self, rope_type="default", rope_theta=self.local_rope_theta,
+                                 rope_factor=1.0, local_rope_theta=0.0)
+    return self
+
   def replace(self, **changes) -> "DecoderConfig":
     return dataclasses.replace(self, **changes)
 
@@ -176,34 +166,13 @@ def inv_freq(cfg: DecoderConfig) -> np.ndarray:
   return inv
 
 
-def rope_kinds(cfg: DecoderConfig) -> tuple[DecoderConfig, ...]:
-  """The configs whose RoPE fields the layers rotate with: the config itself, then, where
-  it has `local_rope_theta`, the windowed layers' own default RoPE (Gemma-3's local layers).
-  `rope_index(cfg)[i]` says which one layer i uses."""
-  if not cfg.local_rope_theta:
-    return (cfg,)
-  return (cfg, dataclasses.replace(cfg, rope_type="default", rope_theta=cfg.local_rope_theta,
-                                   rope_factor=1.0, local_rope_theta=0.0))
-
-
-def rope_index(cfg: DecoderConfig) -> np.ndarray:
-  """[L] int32: the entry of `rope_kinds(cfg)` each layer rotates with."""
-  return np.array([1 if cfg.local_rope_theta and cfg.window(i) else 0
-                   for i in range(cfg.n_layer)], np.int32)
-
-
-def layer_windows(cfg: DecoderConfig) -> np.ndarray:
-  """[L] int32: each layer's sliding window (0 = full causal attention)."""
-  return np.array([cfg.window(i) for i in range(cfg.n_layer)], np.int32)
-
-
-def rope_tables(cfg: DecoderConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin `[R, ..., D]` float32 for integer positions `[...]`, one row per entry of
-  `rope_kinds(cfg)` (the one formula used by both the batched blocks and the cached step;
-  a layer picks its row by index, so one scanned layer body serves every layer)."""
-  positions = jnp.asarray(positions).astype(jnp.float32)[..., None]
-  emb = jnp.stack([jnp.concatenate([positions * inv_freq(rope)] * 2, axis=-1)
-                   for rope in rope_kinds(cfg)])
+def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array,
+                 layer: int = 0) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[..., D]` float32 for integer positions `[...]` at `layer` (the one formula
+  used by both the batched blocks and the cached step)."""
+  rope = cfg.rope_of(layer)
+  freqs = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rope))
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 
 
@@ -247,11 +216,8 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Per-layer data arrive as arguments, not fields, so that one traced body serves every
-  layer of a scan: `window` (scalar int, 0 = full causal) and `rope` (scalar int, the
-  row of the `rope_tables` the layer rotates with)."""
-
   cfg: DecoderConfig
+  layer: int
 
   def setup(self):
     cfg = self.cfg
@@ -281,44 +247,43 @@ class Attention(nn.Module):
     cos, sin = cos[..., None, :], sin[..., None, :]
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-  def __call__(self, x: jax.Array, tables: tuple[jax.Array, jax.Array], window: jax.Array,
-               rope: jax.Array) -> jax.Array:
-    """x [B, T, d], tables `rope_tables` of positions [T] ([R, T, D] each) -> [B, T, d]."""
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, d], positions [T] int -> [B, T, d]."""
     cfg = self.cfg
     b, t = x.shape[0], x.shape[-2]
-    q, k, v = self._qkv(x, tables[0][rope], tables[1][rope])
+    q, k, v = self._qkv(x, *rope_cos_sin(cfg, positions, self.layer))
     q = q.reshape(b, t, cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * self.scale
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     visible = j <= i
-    if cfg.sliding_window:
-      visible = visible & ((window == 0) | (j > i - window))
+    window = cfg.window(self.layer)
+    if window:
+      visible = visible & (j > i - window)
     logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
     return self.o_proj(out.reshape(b, t, cfg.n_head * cfg.head_dim))
 
-  def step(self, x_t: jax.Array, cache_k: jax.Array, cache_v: jax.Array, t: jax.Array,
-           tables: tuple[jax.Array, jax.Array], window: jax.Array, rope: jax.Array):
+  def step(self, x_t: jax.Array, cache_k: jax.Array, cache_v: jax.Array, t: jax.Array):
     """One new position against a cached prefix (read, never copied) and itself.
 
     Args:
       x_t: [d] the normed input at position t.
       cache_k, cache_v: [T_max, H_kv, D]; rows < t hold the prefix (keys rotated).
       t: scalar int position.
-      tables: `rope_tables` of t ([R, D] each); window, rope: as in `__call__`.
 
     Returns:
       (y_t [d], k_t [H_kv, D] rotated, v_t [H_kv, D]).
     """
     cfg = self.cfg
-    q_t, k_t, v_t = self._qkv(x_t, tables[0][rope], tables[1][rope])
+    q_t, k_t, v_t = self._qkv(x_t, *rope_cos_sin(cfg, t, self.layer))
     qg = q_t.reshape(cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     prefix = jnp.einsum("kgd,skd->kgs", qg, cache_k.astype(qg.dtype)).astype(jnp.float32) * self.scale
     rows = jnp.arange(cache_k.shape[0])
     visible = rows < t
-    if cfg.sliding_window:
-      visible = visible & ((window == 0) | (rows > t - window))
+    window = cfg.window(self.layer)
+    if window:
+      visible = visible & (rows > t - window)
     prefix = jnp.where(visible, prefix, jnp.finfo(jnp.float32).min)
     self_logit = jnp.einsum("kgd,kd->kg", qg, k_t).astype(jnp.float32)[..., None] * self.scale
     weights = jax.nn.softmax(jnp.concatenate([prefix, self_logit], axis=-1), axis=-1)
@@ -346,15 +311,14 @@ class MLP(nn.Module):
 
 class Layer(nn.Module):
   """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms`
-  (Gemma-3) x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
-
-  What differs between layers (`window`, `rope`: see `Attention`) is an argument."""
+  (Gemma-3) x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
   cfg: DecoderConfig
+  layer: int
 
   def setup(self):
     self.input_layernorm = _norm(self.cfg, "input_layernorm")
-    self.self_attn = Attention(self.cfg, name="self_attn")
+    self.self_attn = Attention(self.cfg, self.layer, name="self_attn")
     # HF's name in both layouts: the MLP's input norm, or (sandwich) the attention output's.
     self.post_attention_layernorm = _norm(self.cfg, "post_attention_layernorm")
     if self.cfg.sandwich_norms:
@@ -371,72 +335,16 @@ class Layer(nn.Module):
       return self.post_feedforward_layernorm(hidden).astype(x.dtype)
     return self.mlp(self.post_attention_layernorm(x).astype(x.dtype)).astype(x.dtype)
 
-  def __call__(self, x: jax.Array, tables, window: jax.Array, rope: jax.Array) -> jax.Array:
-    out = self.self_attn(self.input_layernorm(x).astype(x.dtype), tables, window, rope)
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    out = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions)
     x = x + self._attention_out(out).astype(x.dtype)
     return x + self._mlp_branch(x)
 
-  def step(self, x_t, cache_k, cache_v, t, tables, window, rope):
+  def step(self, x_t, cache_k, cache_v, t):
     out, k_t, v_t = self.self_attn.step(self.input_layernorm(x_t).astype(x_t.dtype),
-                                        cache_k, cache_v, t, tables, window, rope)
+                                        cache_k, cache_v, t)
     x_t = x_t + self._attention_out(out).astype(x_t.dtype)
     return x_t + self._mlp_branch(x_t), k_t, v_t
-
-
-LAYER_LOOP_SCOPE = "lla_layer_loop"  # in the op_name of every layer loop's HLO while
-
-
-def scan_layers(parent: nn.Module, layers: Sequence[nn.Module], body_module: nn.Module,
-                fn: Callable, carry, xs, first_apart: bool = False):
-  """`carry, y_i = fn(layer_i, carry, xs_i)` through `layers` in order; returns (carry, ys).
-
-  At apply, the layers' parameter subtrees (named `layers_{i}` / `h_{i}` in `parent`'s
-  tree) are stacked along a new leading axis and `jax.lax.scan` runs one traced copy of
-  `body_module` (an unbound twin of the layers) over them, so the program's size does not
-  grow with the number of layers. At init the layers are called one by one, which creates
-  their parameters under their own names.
-
-  Args:
-    parent: the bound module whose `params` hold the layers' subtrees.
-    layers: its layer submodules to run, in order.
-    body_module: an unbound module of the layers' class and config (`parent=None`).
-    fn: (module, carry, x_i) -> (carry, y_i), the same for every layer.
-    carry: the residual stream.
-    xs: a pytree of per-layer arrays, leading axis len(layers).
-    first_apart: the first layer outside the loop, so that XLA still sees its input and
-      can share its work between identical ones: the one-token step's first block on a
-      candidate token is the same for every beam of a beam search (computed once, as when
-      the layers were unrolled, not once per beam).
-
-  Returns:
-    (carry, ys stacked along a leading axis of len(layers)).
-  """
-  if not layers:
-    return carry, None
-  if first_apart and not parent.is_initializing():
-    carry, first = fn(layers[0], carry, jax.tree.map(lambda a: a[0], xs))
-    carry, rest = scan_layers(parent, layers[1:], body_module, fn, carry,
-                              jax.tree.map(lambda a: a[1:], xs))
-    return carry, (jax.tree.map(lambda a: a[None], first) if rest is None else
-                   jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest))
-  if parent.is_initializing():
-    ys = []
-    for i, layer in enumerate(layers):
-      carry, y = fn(layer, carry, jax.tree.map(lambda a: a[i], xs))
-      ys.append(y)
-    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-  params = parent.variables["params"]
-  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[params[m.name] for m in layers])
-
-  def body(carry, params_and_x):
-    layer_params, x = params_and_x
-    return body_module.apply({"params": layer_params}, carry, x, method=fn)
-
-  # The scope names the loop in the compiled HLO: XLA's cost analysis counts a while loop's
-  # body once, and the FLOP meter (lla.attacks.workspace) adds the other iterations of the
-  # loops it names.
-  with jax.named_scope(LAYER_LOOP_SCOPE):
-    return jax.lax.scan(body, carry, (stacked, xs))
 
 
 class Decoder(nn.Module):
@@ -454,7 +362,7 @@ class Decoder(nn.Module):
     self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.n_embd,
                                  embedding_init=nn.initializers.normal(0.02),
                                  param_dtype=jnp.float32, name="embed_tokens")
-    self.layers = [Layer(cfg, name=f"layers_{i}") for i in range(cfg.n_layer)]
+    self.layers = [Layer(cfg, i, name=f"layers_{i}") for i in range(cfg.n_layer)]
     self.norm = _norm(cfg, "norm")
     if not cfg.tie_embeddings and self.is_initializing():
       # Declared at init only and read where it is used (`head`): a party's share of the
@@ -474,15 +382,10 @@ class Decoder(nn.Module):
 
   def blocks(self, x: jax.Array, start: int, stop: int, offset: int | jax.Array = 0) -> jax.Array:
     """Blocks start..stop-1 over a residual stream [B, T, d] at positions offset + 0..T-1."""
-    tables = rope_tables(self.cfg, offset + jnp.arange(x.shape[-2]))
-    layer = lambda m, x, per_layer: (m(x, tables, *per_layer), None)
-    return scan_layers(self, self.layers[start:stop], Layer(self.cfg, parent=None), layer, x,
-                       self._per_layer(start, stop))[0]
-
-  def _per_layer(self, start: int, stop: int) -> tuple[jax.Array, jax.Array]:
-    """The scanned per-layer data of blocks start..stop-1: windows, RoPE rows, [stop - start]."""
-    return (jnp.asarray(layer_windows(self.cfg)[start:stop]),
-            jnp.asarray(rope_index(self.cfg)[start:stop]))
+    positions = offset + jnp.arange(x.shape[-2])
+    for layer in self.layers[start:stop]:
+      x = layer(x, positions)
+    return x
 
   def ln_f(self, x: jax.Array) -> jax.Array:
     """The final norm (named as GPT-2's so that callers of `m.ln_f` work for every family)."""
@@ -506,15 +409,11 @@ class Decoder(nn.Module):
     Returns:
       (h_t [d], kv_t [stop - start, 2, H_kv, D]).
     """
-    tables = rope_tables(self.cfg, t)
-
-    def layer(m, x_t, per_layer):
-      cache_i, window, rope = per_layer
-      x_t, k_t, v_t = m.step(x_t, cache_i[0], cache_i[1], t, tables, window, rope)
-      return x_t, jnp.stack([k_t, v_t.astype(k_t.dtype)])
-
-    return scan_layers(self, self.layers[start:stop], Layer(self.cfg, parent=None), layer, x_t,
-                       (cache, *self._per_layer(start, stop)), first_apart=True)
+    new_kv = []
+    for i, layer in enumerate(self.layers[start:stop]):
+      x_t, k_t, v_t = layer.step(x_t, cache[i, 0], cache[i, 1], t)
+      new_kv.append(jnp.stack([k_t, v_t.astype(k_t.dtype)]))
+    return x_t, jnp.stack(new_kv)
 
 
 def init_params(cfg: DecoderConfig, key: jax.Array) -> dict:

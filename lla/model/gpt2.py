@@ -12,10 +12,6 @@ over one new position with an explicit key/value cache, used by the KV-cached cl
 The cache is a plain array argument (not a mutable Flax collection) so that it vmaps
 cleanly over documents, beams and candidates.
 
-A range of blocks (`blocks`, `blocks_step`) is one `jax.lax.scan` of a single block body over
-the blocks' parameters stacked inside the traced function (`lla.model.decoder.scan_layers`,
-whose docstring says why there and not at load): the `h_{i}` tree is unchanged.
-
 Shapes: B batch, T positions, d = n_embd, H heads, D = d / H head size, V vocabulary.
 """
 
@@ -28,8 +24,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from lla.model.decoder import scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +205,10 @@ class GPT2(nn.Module):
     return self.wte(tokens) + self.wpe(positions)
 
   def blocks(self, x: jax.Array, start: int, stop: int) -> jax.Array:
-    """Blocks start..stop-1 over a residual stream [B, T, d] (one scanned block body)."""
-    block = lambda m, x, _: (m(x), None)
-    return scan_layers(self, self.h[start:stop], Block(self.cfg, parent=None), block, x,
-                       None)[0]
+    """Blocks start..stop-1 over a residual stream [B, T, d]."""
+    for block in self.h[start:stop]:
+      x = block(x)
+    return x
 
   def head(self, x: jax.Array) -> jax.Array:
     """ln_f then the head tied to wte: [B, T, d] -> logits [B, T, V] float32."""
@@ -231,12 +225,11 @@ class GPT2(nn.Module):
     Returns:
       (h_t [d], kv_t [stop - start, 2, H, D]) the output and the new keys/values.
     """
-    def block(m, x_t, cache_i):
-      x_t, k_t, v_t = m.step(x_t, cache_i[0], cache_i[1], t)
-      return x_t, jnp.stack([k_t, v_t])
-
-    return scan_layers(self, self.h[start:stop], Block(self.cfg, parent=None), block, x_t, cache,
-                       first_apart=True)
+    new_kv = []
+    for i, block in enumerate(self.h[start:stop]):
+      x_t, k_t, v_t = block.step(x_t, cache[i, 0], cache[i, 1], t)
+      new_kv.append(jnp.stack([k_t, v_t]))
+    return x_t, jnp.stack(new_kv)
 
 
 def init_params(cfg: GPT2Config, key: jax.Array) -> dict:

@@ -5,9 +5,7 @@ The client holds tokens `x [B, T]` and sends the forward message
 `blocks[k..L-1]`, `ln_f` and the tied head; in training it returns the backward message
 `g = dL/dh` for the mean next-token cross-entropy over all `B * (T - 1)` positions.
 
-`cfg` (hashable) and the cut `k` are static arguments: each (model, cut) compiles once, a
-program whose size does not grow with k or the depth (the blocks are one scanned layer body,
-`lla.model.decoder.scan_layers`).
+`cfg` (hashable) and the cut `k` are static arguments: each (model, cut) compiles once.
 `cfg` is a `GPT2Config` or, for the RoPE families (llama, mistral, qwen2, qwen3, gemma), a
 `lla.model.decoder.DecoderConfig`: there the client is `blocks[0..k-1](embed_tokens[x] *
 embed_scale)` with positions applied inside attention, and the head may be untied
