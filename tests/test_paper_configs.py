@@ -15,7 +15,7 @@ their budgets, the decoy split's steps. Off: the phases whose code does not depe
 base or the variant (the published attacks, defenses, corpus study, frontier and active
 tier: tests/test_e2e_main_table.py and tests/test_main_table_gguf.py run them).
 
-The smoke command (marked slow: the three variants took 276 s, 72-99 s each, on 2 shared
+The smoke command (marked slow: the three variants took 188 s and 276 s in two runs on 2 shared
 CPU cores):
 
   LLA_DATA_DIR=DATA python -m pytest -q tests/test_paper_configs.py
