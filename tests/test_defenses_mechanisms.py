@@ -24,6 +24,8 @@ ZERO_STRENGTH = {
     "projection": dict(enabled=False),
     "gradient_clip_noise": dict(clip_norm=1e-3, noise_multiplier=0.0),
     "nopeek": dict(alpha=0.0),
+    "dx_privacy": dict(epsilon=None),
+    "dp_forward": dict(epsilon=None),
 }
 
 

@@ -9,5 +9,7 @@ from lla.defenses.activations import (GaussianNoise, Quantize, SecretMixup, Secr
                                       TopK, clip_rows, quantize_rows, random_projection)
 from lla.defenses.base import (Defense, DefenseError, Secret, SecretKeys, apply, declared, get,
                                make, names, seed_hash, step_keys)
+from lla.defenses.dp_forward import DPForward, analytic_gaussian_sigma
+from lla.defenses.dx_privacy import DxPrivacy
 from lla.defenses.gradients import GradientClipNoise, guard_gradient
 from lla.defenses.nopeek import NoPeek, distance_correlation

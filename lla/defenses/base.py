@@ -7,8 +7,10 @@ one mechanism configuration compiles once) with
 
   * `name`: its registry name;
   * `acts_on`: "activations" (it transforms the forward message h [B, T, d]), "gradients"
-    (it transforms the backward message g = dL/dh [B, T, d]) or "training" (it changes the
-    fine-tuning objective and leaves both messages as the model computes them);
+    (it transforms the backward message g = dL/dh [B, T, d]), "embeddings" (it transforms
+    the client's input token embeddings e [B, T, d] before block 0, and the client's k
+    blocks run on them: `lla.defenses.training.defended_client`) or "training" (it changes
+    the fine-tuning objective and leaves both messages as the model computes them);
   * `strength`: a float, larger is stronger, and **zero strength turns the whole mechanism
     off** (clipping included where a mechanism clips), so that the zero point of a
     strength sweep is the undefended target, bit for bit;
@@ -38,7 +40,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 
-ACTS_ON = ("activations", "gradients", "training")
+ACTS_ON = ("activations", "gradients", "embeddings", "training")
 SECRET_BITS = 128
 
 _REGISTRY: dict[str, type["Defense"]] = {}
@@ -227,9 +229,11 @@ def apply(defense: Defense, x: jax.Array, keys: SecretKeys | None = None) -> jax
   """The defended message: x [B, T, d] (h, or g for a gradient defense) -> [B, T, d].
 
   Zero strength returns x untouched (bit for bit). A "training" defense leaves messages
-  as they are: its effect is on the fine-tuned weights (see `lla.defenses.training`).
+  as they are: its effect is on the fine-tuned weights (see `lla.defenses.training`); an
+  "embeddings" defense acted before block 0 (`lla.defenses.training.defended_client`), so
+  it leaves h alone here.
   """
-  if defense.off or defense.acts_on == "training":
+  if defense.off or defense.acts_on in ("training", "embeddings"):
     return x
   if defense.has_secret and keys is None:
     raise ValueError(f"defense {defense.name!r} draws secrets: pass its SecretKeys")

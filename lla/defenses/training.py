@@ -6,6 +6,8 @@ Per defense kind, what crosses the cut and what the client minimises:
   * "gradients": the server sees h and returns g' = defense(g); in training an identity
     at the cut (`guard_gradient`) swaps the cotangent g for g', so the client's layers learn
     from the defended gradient while the server's own layers get their exact gradient;
+  * "embeddings" (`dx_privacy`): the client's blocks run on the defended input embeddings
+    (`defended_client`); h is what they compute, and the loss the server's CE on it;
   * "training" (`nopeek`): messages are untouched; the client adds alpha * dCor(wte[x], h).
 `defense` (public parameters only, a frozen dataclass) is a static argument; the secret
 enters as traced `SecretKeys`, so one mechanism configuration compiles once for every
@@ -42,6 +44,16 @@ def mixed_next_token_loss(logits: jax.Array, tokens: jax.Array, lam: jax.Array,
   return -jnp.einsum("bj,bjt->", lam, picked) / (logits.shape[0] * (logits.shape[1] - 1))
 
 
+def defended_client(params, cfg: GPT2Config, tokens: jax.Array, k: int,
+                    defense: Defense | None, keys: SecretKeys | None) -> jax.Array:
+  """h [B, T, d] the client computes: `split.client`, except that a defense on the input
+  embeddings (acts_on "embeddings") replaces input_table[tokens] before block 0."""
+  if defense is None or defense.off or defense.acts_on != "embeddings":
+    return split.client(params, cfg, tokens, k)
+  e = defense.noisy_inputs(split.input_table(params), tokens, keys)
+  return split.client_from_embeddings(params, cfg, e, k)
+
+
 def _wire_and_server_loss(params, cfg, h, tokens, k, defense, keys):
   """(h on the wire [B, T, d], the server's loss as a function of the wire message)."""
   if defense.off or defense.acts_on != "activations":
@@ -67,7 +79,7 @@ def defended_loss(model_params, cfg: GPT2Config, tokens: jax.Array, k: int,
   the protocol's g (a caller that rescales the loss rescales what the gradient defense
   clips: clip_norm is calibrated for the unscaled mean).
   """
-  h = split.client(model_params, cfg, tokens, k)
+  h = defended_client(model_params, cfg, tokens, k, defense, keys)
   wire, loss_of_wire = _wire_and_server_loss(model_params, cfg, h, tokens, k, defense, keys)
   if not defense.off and defense.acts_on == "gradients":
     wire = guard_gradient(defense, wire, keys)
@@ -86,7 +98,7 @@ def defended_messages(params, cfg: GPT2Config, tokens: jax.Array, k: int, defens
   then defended if the defense acts on gradients. The NoPeek penalty is the client's own
   term and never crosses the wire. Same keys, same secrets as `defended_loss`.
   """
-  h = split.client(params, cfg, tokens, k)
+  h = defended_client(params, cfg, tokens, k, defense, keys)
   wire, loss_of_wire = _wire_and_server_loss(params, cfg, h, tokens, k, defense, keys)
   g = jax.grad(loss_of_wire)(wire)
   if not defense.off and defense.acts_on == "gradients":
@@ -132,7 +144,7 @@ def batched_messages(params, cfg: GPT2Config, tokens: np.ndarray, k: int, defens
       h, g = defended_messages(params, cfg, batch, k, defense, keys)
       gs.append(np.asarray(g, np.float32))
     else:
-      h = apply(defense, split.client(params, cfg, batch, k), keys)
+      h = apply(defense, defended_client(params, cfg, batch, k, defense, keys), keys)
     hs.append(np.asarray(h, np.float32))
   return np.concatenate(hs), (np.concatenate(gs) if training else None)
 

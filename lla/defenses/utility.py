@@ -1,6 +1,6 @@
 """Utility cost of a defense: held-out cross-entropy and perplexity, with bootstrap intervals.
 
-Inference applies only forward ("activations") defenses; a "gradients" or "training"
+Inference applies only forward ("activations", "embeddings") defenses; a "gradients" or "training"
 defense costs utility through the weights it was fine-tuned with, so compare its
 fine-tuned checkpoint (`params`) with the undefended one (`reference_params`).
 A document's CE is the mean over its T - 1 next-token positions of CE(logits[b, t],
@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from lla.defenses.base import Defense, Secret, SecretKeys, apply
+from lla.defenses.training import defended_client
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -27,7 +28,7 @@ from lla.model.gpt2 import GPT2Config
 def document_cross_entropy(params, cfg: GPT2Config, tokens: jax.Array, k: int,
                            defense: Defense | None, keys: SecretKeys | None) -> jax.Array:
   """Per-document mean next-token CE [B] of the split model, tokens [B, T]."""
-  h = split.client(params, cfg, tokens, k)
+  h = defended_client(params, cfg, tokens, k, defense, keys)
   if defense is not None and defense.acts_on == "activations":
     h = apply(defense, h, keys)
   _, logits = split.server_loss(params, cfg, h, tokens, k)
@@ -44,7 +45,7 @@ def corpus_cross_entropy(params, cfg: GPT2Config, tokens, k: int, defense: Defen
   Mixup mixes within a batch, so every batch needs at least m documents.
   """
   tokens = np.asarray(tokens)
-  if defense is not None and defense.acts_on != "activations":
+  if defense is not None and defense.acts_on not in ("activations", "embeddings"):
     # It leaves this computation alone: run it as the undefended one, whose executable it
     # then shares (one compilation fewer per such defense and batch shape).
     defense = secret = None

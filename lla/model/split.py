@@ -111,6 +111,21 @@ def client(params, cfg: ModelConfig, tokens: jax.Array, k: int) -> jax.Array:
   return h.astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def client_from_embeddings(params, cfg: ModelConfig, e: jax.Array, k: int) -> jax.Array:
+  """`client` from input token embeddings e [B, T, d] (rows of the unscaled `input_table`,
+  HF's `inputs_embeds`) in place of input_table[tokens]: positions (GPT-2's wpe) or the
+  embed scale (Gemma) are applied here, as `embed` does. The hook of defenses on the input
+  embeddings (lla.defenses.dx_privacy); with e = input_table[tokens] it is `client`."""
+  _check_cut(cfg, k)
+  if isinstance(cfg, DecoderConfig):  # RoPE: the position enters in the blocks
+    x = e * jnp.float32(cfg.embed_scale) if cfg.embed_scale != 1.0 else e
+  else:
+    x = e + jnp.asarray(params["wpe"]["embedding"])[:e.shape[-2]]
+  h = module(cfg).apply({"params": params}, x, 0, k, method="blocks")
+  return h.astype(jnp.float32)
+
+
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Mean CE of logits[b, t] against tokens[b, t+1] over all B * (T-1) positions."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
