@@ -297,6 +297,11 @@ def test_mixup_adaptive_splits_documents_that_share_a_prefix_where_they_part(cas
     ("quantize", {"bits": 4}, 0.95),
     ("topk", {"sparsity": 0.75}, 0.95),
     ("gaussian", {"sigma": 0.05}, None),
+    # C = 2 clips every document (Frobenius norms 4.5 .. 4.6, clip factor ~0.43); epsilon
+    # 3e4 gives sigma = 0.017 against rows of rms ~0.11 after clipping (the gaussian case's
+    # ratio): measured 0.81 recovered against 0.00 for the plain search, and 0.00 for this
+    # attack with the clip factor left at 1, so the floor tests the adaptation.
+    ("dp_forward", {"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, 0.6),
 ])
 def test_likelihood_beam_breaks(case, name, params, floor):
   """Every token a candidate (C = V here): the exact mechanisms are inverted exactly, and

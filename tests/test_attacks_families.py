@@ -91,7 +91,8 @@ EXACT = ["activation", "joint", "sipit"]
 DEFENDED = {
     "quantize": ({"bits": 4}, False), "topk": ({"sparsity": 0.75}, False),
     "projection": ({"kind": "haar"}, False), "gaussian": ({"sigma": 0.05}, False),
-    "mixup": ({"m": 2}, False), "nopeek": ({"alpha": 0.5}, True)}
+    "mixup": ({"m": 2}, False), "nopeek": ({"alpha": 0.5}, True),
+    "dp_forward": ({"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, False)}
 DEFENSE_AWARE = ["activation_defense_aware", "joint_defense_aware"]
 # The baselines read the mechanism only through their calibration mimic (lla.defenses.aware):
 # one defended capture per family exercises them (the gaussian one: a draw of noise).

@@ -291,9 +291,9 @@ def describe(spec: AttackSpec) -> AttackSpec:
 
 
 def defense_facts() -> dict[str, str]:
-  """Defense name -> what it acts on ("activations", "gradients", "training"), for every
-  mechanism registered in this process (lla.defenses and plugins): the facts a gate needs
-  to know which defense-aware baselines a defended capture requires."""
+  """Defense name -> what it acts on ("activations", "gradients", "embeddings",
+  "training"), for every mechanism registered in this process (lla.defenses and plugins):
+  the facts a gate needs to know which defense-aware baselines a defended capture requires."""
   from lla import defenses  # pylint: disable=g-import-not-at-top
   return {n: defenses.get(n).acts_on for n in defenses.names()}
 
@@ -328,7 +328,8 @@ ROPE_FAMILIES_VERIFIED = frozenset({
     "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip", "sip_linear",
     "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp",
     "gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive", "projection_adaptive",
-    "quantize_adaptive", "topk_adaptive", "activation_defense_aware", "joint_defense_aware",
+    "quantize_adaptive", "topk_adaptive", "dp_forward_adaptive", "activation_defense_aware",
+    "joint_defense_aware",
     "fsha_decode"})
 
 

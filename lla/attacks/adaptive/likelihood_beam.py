@@ -1,9 +1,10 @@
 """Adaptive attacks on keyless perturbations of h: noise, quantisation, top-k (PROTOCOL 5a).
 
 Threat model: the attacker observes forward messages defended by Gaussian noise (optionally
-after row clipping), per-row uniform quantisation or per-row top-k sparsification, and knows
-the mechanism and its public parameters (sigma and the clip norm; the bit width; the kept
-fraction); it holds the client layers its knowledge grants (and the model's later blocks,
+after row clipping), per-row uniform quantisation, per-row top-k sparsification or DP-Forward
+(per-sequence Frobenius clipping and analytic-Gaussian noise), and knows the mechanism and
+its public parameters (sigma and the clip norm; the bit width; the kept fraction; epsilon,
+delta and C, hence sigma); it holds the client layers its knowledge grants (and the model's later blocks,
 its language prior), public calibration text, and never the noise draw.
 
 The attack is the beam search of PROTOCOL section 4 with the mechanism's own likelihood
@@ -15,6 +16,11 @@ is put through the deterministic part of the mechanism and scored
 
   * Gaussian noise: violation = y_t - clip(a), s = sigma (the exact negative
     log-likelihood);
+  * DP-Forward: violation = y_t - c a, s = sigma, where c = C / max(||X||_F, C) is the
+    sequence's clip factor. The beam scores one position at a time and c depends on the
+    whole sequence, so the attacker uses c of the median Frobenius norm of its own clean
+    calibration sequences (norms at one length concentrate: on the tests' tiny model they
+    spread by +-2%); with that c it is the exact Gaussian likelihood;
   * quantisation: the row's levels are its own [min, max] in 2^b - 1 steps, so the true
     row lies in the box y_t +- step / 2 coordinate-wise: violation = the distance of a to
     that box, s = `likelihood_rounding` * rms(y_t) (an exact mechanism up to float
@@ -60,7 +66,7 @@ budget_lib.declare("likelihood_rounding", 1e-3, float, low=0.0, strict_low=True,
                    doc="likelihood beam: tolerance scale of exact mechanisms, relative to the "
                    "row's rms", source="lla")
 
-MECHANISMS = ("gaussian", "quantize", "topk")
+MECHANISMS = ("gaussian", "quantize", "topk", "dp_forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +79,7 @@ class Mechanism:
   bits: int = 0
   kept: int = 0
   rounding: float = 1e-3
+  scale: float = 1.0  # DP-Forward: the clip factor c applied to every row of a sequence
 
   def cost(self, rows: jax.Array, y: jax.Array) -> jax.Array:
     """violation^2 / (2 s^2) of candidate rows [..., d] against the observed row y [d]."""
@@ -80,6 +87,8 @@ class Mechanism:
     if self.name == "gaussian":
       clipped = rows if self.clip_norm is None else clip_rows(rows, self.clip_norm)
       return jnp.sum((clipped - y) ** 2, -1) / (2 * self.sigma**2)
+    if self.name == "dp_forward":
+      return jnp.sum((self.scale * rows - y) ** 2, -1) / (2 * self.sigma**2)
     if self.name == "quantize":
       half = (y.max() - y.min()) / (2**self.bits - 1) / 2
       violation = jnp.maximum(jnp.abs(rows - y) - half, 0.0)
@@ -103,6 +112,11 @@ def mechanism_of(ws: Workspace, budget) -> Mechanism:
     d = ws.cfg.n_embd
     return Mechanism("topk", kept=d - int(np.floor(float(params["sparsity"]) * d)),
                      rounding=rounding)
+  if name == "dp_forward":
+    defense = aware.make_public(name, params)
+    norm = float(np.median(np.linalg.norm(ws.calibration_activations(), axis=(1, 2))))
+    return Mechanism("dp_forward", sigma=defense.sigma, clip_norm=defense.clip_norm,
+                     scale=defense.clip_norm / max(norm, defense.clip_norm), rounding=rounding)
   raise ValueError(f"no likelihood for defense {name!r}")
 
 
