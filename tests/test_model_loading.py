@@ -322,3 +322,30 @@ def test_model_id_rule():
   assert model_id == hashlib.sha256(f"lla-model-id.v1:{params_sha}:{arch}".encode()).hexdigest()
   llama = loading.architecture(model_configs.get_config("embedded_llama"))
   assert loading.identify(params_sha, llama, None)[0] not in (params_sha, model_id)
+
+
+def _hub_cache(cache: pathlib.Path, repo: str, files: pathlib.Path) -> None:
+  """`files` laid out as huggingface_hub's cache holds a snapshot of `repo` at main."""
+  revision = "0" * 40
+  root = cache / ("models--" + repo.replace("/", "--"))
+  shutil.copytree(files, root / "snapshots" / revision)
+  (root / "refs").mkdir()
+  (root / "refs" / "main").write_text(revision)
+
+
+def test_a_hub_model_is_cut_with_its_own_tokenizer(qwen, tmp_path, monkeypatch):
+  # The hub is a closed local port, so snapshot_download answers from the cache: the same
+  # files and code path as a download, without the network.
+  import huggingface_hub.constants  # pylint: disable=import-outside-toplevel
+  directory, tokenizer = qwen
+  monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+  _hub_cache(tmp_path, "lla-test/qwen3", directory)
+  from_hub = loading.load_model({"hub": "lla-test/qwen3"})
+  from_dir = loading.load_model({"hf_dir": str(directory)})
+  text = "The tower , built in 1889 , is 330 metres tall ."
+  assert from_hub.tokenizer is not None
+  assert list(from_hub.tokenizer.encode(text)) == tokenizer.encode(text).ids
+  # The same weights, config and tokenizer: the same function, whichever way it came.
+  assert from_hub.model_id == from_dir.model_id

@@ -26,6 +26,8 @@ from lla.model.gpt2 import GPT2Config
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# A model's own tokenizer and its BOS policy (lla.data.tokenizer.from_pretrained_dir).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # HF buffers and tied copies that carry no parameters of their own.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -239,11 +241,15 @@ def _save_decoder_dir(params, cfg: DecoderConfig, directory: pathlib.Path,
   return directory
 
 
-def load_from_hub(name: str) -> tuple[dict, GPT2Config]:
-  """Downloads `name` (e.g. 'gpt2') from the Hugging Face hub, then loads it."""
+def load_from_hub(name: str) -> tuple[dict, GPT2Config | DecoderConfig, str]:
+  """Downloads `name` (e.g. 'gpt2') from the Hugging Face hub, then loads it:
+  (params, cfg, the local snapshot directory). The snapshot holds the weights, config.json
+  and the model's own tokenizer files where the repository has them, so the hub model is
+  cut with its own tokenizer as a save_pretrained directory is."""
   try:
     from huggingface_hub import snapshot_download
-    local = snapshot_download(name, allow_patterns=[CONFIG_FILE, "*.safetensors", INDEX_FILE],
+    local = snapshot_download(name, allow_patterns=[CONFIG_FILE, "*.safetensors", INDEX_FILE,
+                                                     *TOKENIZER_FILES],
                               etag_timeout=10)
   except Exception as e:  # The hub client raises many types for "offline"; all mean the same.
     raise CheckpointError(
@@ -251,4 +257,5 @@ def load_from_hub(name: str) -> tuple[dict, GPT2Config]:
         "this machine may have no hub access. Download it where there is one "
         "(GPT2LMHeadModel.from_pretrained(name).save_pretrained(DIR)) and pass "
         "--config.model.hf_dir=DIR") from None
-  return load_hf_dir(local)
+  params, cfg = load_hf_dir(local)
+  return params, cfg, local

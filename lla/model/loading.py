@@ -9,7 +9,8 @@ architecture; an lla checkpoint or a hub model named by a full model config is r
 its architecture is not the configured one (`check_architecture`: a wrong path).
 
 The tokenizer is the model's own: a GGUF file's; a directory's `tokenizer.json` with the BOS
-policy of its `tokenizer_config.json`; the one an lla checkpoint records (fine-tuned from a
+policy of its `tokenizer_config.json`, and a hub model's likewise (its snapshot holds both
+files where the repository has them); the one an lla checkpoint records (fine-tuned from a
 model that brought one). A GPT-2 checkpoint without one, and every model lla pre-trains, is
 cut by the data directory's GPT-2 tokenizer (`tokenizer` None, `tokenizer_kind` "gpt2"): that
 is its own. Any other model without one cannot cut text (`text_tokenizer` refuses in one line,
@@ -269,11 +270,11 @@ def load_model(model: ml_collections.ConfigDict | dict,
             **{k: restored.metadata[k] for k in ("source_format", "dequantisation")
                if k in restored.metadata}}
   elif model.get("hub"):
-    params, cfg = hf_io.load_from_hub(model.hub)
+    params, cfg, snapshot = hf_io.load_from_hub(model.hub)
     source = f"hub:{model.hub}"
     if check_architecture:
       cfg = _check_architecture(model, cfg, source)
-    kind = GPT2_TOKENIZER if isinstance(cfg, GPT2Config) else NO_TOKENIZER
+    tokenizer, kind = _directory_tokenizer(snapshot, cfg)
     info = {"format": "hf-safetensors", "dequantisation": "none"}
   else:
     raise ModelLoadError(f"model {model.get('name') or ''!r} names no {SOURCE_NAMES} to "
