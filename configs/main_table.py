@@ -180,12 +180,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.scoring = scoring.get_config()
   # The qualification matrix's test checks (each module's AttackSpec.checks): their status is
   # a recorded pytest outcome logged in the study (lla.study.qualification), never assumed.
-  # `outcomes`: a file written by `LLA_TEST_OUTCOMES=FILE python -m pytest -p
-  # lla.study.pytest_outcomes ...` on this checkout, carried into the study; `run_checks`:
-  # the study runs the declared tests itself (minutes); neither: every check `unmeasured`.
   config.qualification = ml_collections.ConfigDict()
+  # A file written by `LLA_TEST_OUTCOMES=FILE python -m pytest -p lla.study.pytest_outcomes
+  # ...` on this checkout (same commit and lla source), carried into the study instead of
+  # running the tests; "" runs them (run_checks) or leaves every check `unmeasured`.
   config.qualification.outcomes = ""
-  config.qualification.run_checks = False
+  # The study runs the declared checks of the attacks it measured itself, when it scores
+  # (pytest in a subprocess; all 41 of the registry's on 2 cores: 4.0 CPU-min).
+  config.qualification.run_checks = True
+  # The modules whose checks run (() every measured one). `tiny`, the end-to-end test's
+  # job, runs the seed beam's and two adaptive attacks' (the rest show `unmeasured`).
+  config.qualification.modules = (("activation", "joint", "mixup_adaptive",
+                                   "projection_adaptive") if tiny else ())
+  # The pytest run's wall-clock limit; past it every check is `unmeasured` (timed out).
+  config.qualification.timeout_minutes = 30
   # The active-server tier (configs/active.py) on the pre-trained base, its own study under
   # workdir/active; `paper` runs it at the `full` variant.
   config.active = active.get_config("tiny" if tiny else ("full" if paper else "cpu"))

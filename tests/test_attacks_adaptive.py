@@ -293,7 +293,7 @@ def test_mixup_adaptive_splits_documents_that_share_a_prefix_where_they_part(cas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,params,floor", [
+@pytest.mark.parametrize("name,params,floor", [pytest.param(*case, id=case[0]) for case in [
     ("quantize", {"bits": 4}, 0.95),
     ("topk", {"sparsity": 0.75}, 0.95),
     ("gaussian", {"sigma": 0.05}, None),
@@ -302,7 +302,7 @@ def test_mixup_adaptive_splits_documents_that_share_a_prefix_where_they_part(cas
     # ratio): measured 0.81 recovered against 0.00 for the plain search, and 0.00 for this
     # attack with the clip factor left at 1, so the floor tests the adaptation.
     ("dp_forward", {"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, 0.6),
-])
+]])  # ids [quantize] ...: the checks that lla/attacks/adaptive/likelihood_beam.py declares
 def test_likelihood_beam_breaks(case, name, params, floor):
   """Every token a candidate (C = V here): the exact mechanisms are inverted exactly, and
   the noise likelihood with the prior beats the plain search on the same noisy rows."""

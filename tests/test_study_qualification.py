@@ -1,15 +1,15 @@
 """The qualification matrix is measured: a declared check's status is its test's recorded
 outcome, logged in the study, and a check that did not run is `unmeasured`, never `pass`.
 
-A throw-away repository holds a passing, a failing and a parametrised test; modules declare
-checks naming them and a test that does not exist. The study runs them (pytest in a
+A throw-away git repository holds a passing, a failing and a parametrised test; modules
+declare checks naming them and a test that does not exist. The study runs them (pytest in a
 subprocess with lla's outcomes plugin) or carries a file such a run wrote, and each cell
 is compared with what the test knows by construction: which test passes, which fails, the
-sha256 of each test file and of its recorded claim, computed here by hand. The run-derived
-items carry the numbers of a synthetic study with known answers.
+sha256 of each test file and of its recorded claim, computed here by hand. A checkout with
+uncommitted changes, one that no commit names and a forged claim are each caught. The
+run-derived items carry the numbers of a synthetic study with known answers.
 """
 
-import ast
 import hashlib
 import json
 import os
@@ -20,7 +20,6 @@ import sys
 import pytest
 
 import lla
-from lla import provenance
 from lla.attacks import registry
 from lla.evidence import rundir
 from lla.scoring import policy as policy_lib
@@ -60,33 +59,53 @@ MODULES = [
 ]
 
 
-def test_every_check_names_a_test_of_this_repository():
+def test_every_declared_check_is_a_test_pytest_collects():
+  """Each registered attack's check id is a node id `pytest --collect-only` lists (a
+  parametrised test named without its case stands for its cases)."""
   checks = [(m["name"], kind, test) for m in registry.module_entries()
             for kind, test, _ in m["checks"]]
   assert checks, "no module declares a qualifying test"
-  for name, kind, test in checks:
-    path, _, function = test.partition("::")
-    function = function.partition("[")[0]  # a parametrised test's id names its case
-    assert kind in matrix_lib.KINDS, (name, kind)
-    source = REPO / path
-    assert source.is_file(), (name, test)
-    defined = {n.name for n in ast.walk(ast.parse(source.read_text()))
-               if isinstance(n, ast.FunctionDef)}
-    assert function in defined, (name, test)
+  assert {kind for _, kind, _ in checks} <= set(matrix_lib.KINDS)
+  paths = sorted({test.split("::")[0] for _, _, test in checks})
+  proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                         "-p", "no:cacheprovider", *paths], cwd=REPO, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  collected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+  for name, _, test in checks:
+    assert test in collected or any(c.startswith(test + "[") for c in collected), (name, test)
+
+
+def git(root, *args) -> str:
+  return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                        check=True, capture_output=True, text=True).stdout.strip()
 
 
 @pytest.fixture()
 def fake_repo(tmp_path):
-  (tmp_path / "tests").mkdir()
-  (tmp_path / FILE).write_text(FAKE)
-  return tmp_path
+  root = tmp_path / "repo"
+  (root / "tests").mkdir(parents=True)
+  (root / FILE).write_text(FAKE)
+  (root / ".gitignore").write_text("__pycache__/\n")
+  git(root, "init", "-q")
+  git(root, "add", ".")
+  git(root, "commit", "-q", "-m", "fake checks")
+  return root
 
 
-def claim_sha(test_id, outcome, file_bytes, report: str) -> str:
+def lla_source_sha() -> str:
+  """The lla package's source hash, written out here: every .py file under lla/."""
+  package = pathlib.Path(lla.__file__).resolve().parent
+  lines = sorted(f"{p.relative_to(package).as_posix()} "
+                 f"{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in package.rglob("*.py"))
+  return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def claim_sha(test_id, outcome, file_bytes, report: str, commit: str, dirty: bool) -> str:
   """The recorded claim's hash, written out here (lla.study.pytest_outcomes)."""
-  commit = provenance._git_commit() or "unknown"  # pylint: disable=protected-access
   claim = {"test": test_id, "outcome": outcome, "lla_version": lla.__version__,
-           "git_commit": commit, "test_file_sha256": hashlib.sha256(file_bytes).hexdigest(),
+           "git_commit": commit, "git_dirty": dirty, "lla_source_sha256": lla_source_sha(),
+           "test_file_sha256": hashlib.sha256(file_bytes).hexdigest(),
            "report_sha256": hashlib.sha256(report.encode()).hexdigest()}
   return hashlib.sha256(json.dumps(claim, sort_keys=True, separators=(",", ":"))
                         .encode()).hexdigest()
@@ -115,7 +134,12 @@ def test_the_study_runs_the_checks_and_each_cell_is_its_outcome(fake_repo, tmp_p
   assert sorted(tests) == sorted([PASSES, FAILS, f"{CASES}[1]", f"{CASES}[2]"])
   assert (tests[PASSES]["outcome"], tests[FAILS]["outcome"]) == ("passed", "failed")
   file_bytes = (fake_repo / FILE).read_bytes()
-  assert tests[PASSES]["outcome_sha256"] == claim_sha(PASSES, "passed", file_bytes, "")
+  commit = git(fake_repo, "rev-parse", "HEAD")
+  assert (document["git_commit"], document["git_dirty"]) == (commit, False)
+  assert document["lla_source_sha256"] == lla_source_sha()
+  assert document["test_files"] == {FILE: FAKE}  # kept, so the hashes recompute from it
+  claim = claim_sha(PASSES, "passed", file_bytes, "", commit, False)
+  assert tests[PASSES]["outcome_sha256"] == claim
   assert "wrong on purpose" not in json.dumps(tests)  # the report is hashed, not stored
   study = str(tmp_path_factory.mktemp("study") / "study")
   rundir.create_study(study, {"G": {"policy": POL.policy_id, "policy_sha256": POL.sha256}})
@@ -126,7 +150,7 @@ def test_the_study_runs_the_checks_and_each_cell_is_its_outcome(fake_repo, tmp_p
       (pathlib.Path(study) / qualification.OUTCOMES_FILE).read_bytes()).hexdigest()
   items = by_check(qualification.from_checks(MODULES, recorded))
   assert items[("good", PASSES)]["status"] == "pass"
-  assert items[("good", PASSES)]["outcome_sha256"] == claim_sha(PASSES, "passed", file_bytes, "")
+  assert items[("good", PASSES)]["outcome_sha256"] == claim
   assert items[("good", PASSES)]["source"] == f"pytest outcome in {qualification.OUTCOMES_FILE}"
   assert items[("good", CASES)]["status"] == "pass"  # every case passed
   assert items[("bad", FAILS)]["status"] == "fail"
@@ -165,15 +189,71 @@ def test_outcomes_are_carried_only_when_they_are_what_they_claim(fake_repo, tmp_
   forged["tests"][FAILS]["outcome"] = "passed"
   with pytest.raises(ValueError, match="does not hash what it claims"):
     qualification.check_outcomes(forged, fake_repo)
-  # Another lla version: refused.
-  with pytest.raises(ValueError, match="lla_version"):
-    qualification.check_outcomes(dict(document, lla_version="0.0.0-other"), fake_repo)
+  # The test's source edited in the document: its hash no longer recomputes.
+  forged = json.loads(out.read_text())
+  forged["test_files"][FILE] = FAKE.replace("1 + 1 == 3", "1 + 1 == 2")
+  with pytest.raises(ValueError, match="does not hash to test_file_sha256"):
+    qualification.check_outcomes(forged, fake_repo)
+  # Another lla version or lla source, hashes made consistent: refused.
+  for field in ("lla_version", "lla_source_sha256"):
+    other = dict(document, **{field: "other"})
+    other["tests"] = {t: dict(r, outcome_sha256=pytest_outcomes.outcome_sha256(t, r, other))
+                      for t, r in document["tests"].items()}
+    with pytest.raises(ValueError, match=field):
+      qualification.check_outcomes(other, fake_repo)
   # The test file changed since it ran: its outcomes are dropped (unmeasured).
   (fake_repo / FILE).write_text(FAKE + "\n# edited\n")
   kept = qualification.check_outcomes(document, fake_repo)
   assert kept["tests"] == {}
   items = by_check(qualification.from_checks(MODULES, kept))
   assert items[("good", PASSES)]["status"] == "unmeasured"
+
+
+def test_a_dirty_checkout_passes_nothing_and_no_commit_matches_nothing(fake_repo, tmp_path):
+  (fake_repo / "notes.txt").write_text("uncommitted")  # an untracked file: a dirty tree
+  document = qualification.run_checks([PASSES], root=fake_repo)
+  commit = git(fake_repo, "rev-parse", "HEAD")
+  assert document["git_dirty"] is True
+  assert document["tests"][PASSES]["outcome_sha256"] == claim_sha(
+      PASSES, "passed", FAKE.encode(), "", commit, True)
+  items = by_check(qualification.from_checks(
+      MODULES, qualification.check_outcomes(document, fake_repo)))
+  assert items[("good", PASSES)]["status"] == "partial"  # passed, but not at a commit
+  assert items[("good", PASSES)]["source"] == (
+      f"pytest outcome in {qualification.OUTCOMES_FILE} (uncommitted changes)")
+  assert "with uncommitted changes" in items[("good", PASSES)]["detail"]
+  # The same document claiming a clean tree no longer hashes to its claims.
+  with pytest.raises(ValueError, match="does not hash what it claims"):
+    qualification.check_outcomes(dict(document, git_dirty=False), fake_repo)
+  # A directory that no commit names runs nothing, says why in every cell, and its
+  # "unknown" commit matches nothing, "unknown" included.
+  plain = tmp_path / "plain"
+  (plain / "tests").mkdir(parents=True)
+  (plain / FILE).write_text(FAKE)
+  document = qualification.run_checks([PASSES], root=plain)
+  assert (document["git_commit"], document["tests"]) == ("unknown", {})
+  item = by_check(qualification.from_checks(MODULES, document))[("good", PASSES)]
+  assert item["status"] == "unmeasured" and "not a git checkout" in item["detail"]
+  with pytest.raises(ValueError, match="made at commit 'unknown'"):
+    qualification.check_outcomes(document, plain)
+
+
+def test_the_job_runs_the_checks_of_the_attacks_it_measured(fake_repo, tmp_path):
+  """run_and_record, as the main job calls it: only measured modules' checks run."""
+  cap, run = str(tmp_path / "cap"), str(tmp_path / "run")
+  syn.make_capture(cap, syn.truth_tokens(docs=8))
+  syn.make_run(run, cap, [syn.Spec("good", "beam_inversion", 3, 0)], POL.sha256)
+  document = qualification.run_and_record(run, MODULES, root=fake_repo)
+  assert document["modules"] == ["good"]  # `bad` was not measured: its test did not run
+  assert sorted(document["tests"]) == sorted([PASSES, f"{CASES}[1]", f"{CASES}[2]"])
+  assert document["wall_s"] > 0
+  items = by_check(qualification.from_checks(MODULES, qualification.recorded_outcomes(run)))
+  assert (items[("good", PASSES)]["status"], items[("bad", FAILS)]["status"]) == (
+      "pass", "unmeasured")
+  assert rundir.verify(run) == []
+  # Asked for a subset that excludes `good`: nothing runs.
+  assert qualification.run_and_record(run, MODULES, root=fake_repo, only=("bad",))[
+      "not_run"] == "no declared check names a test of this checkout"
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +267,9 @@ def card(tmp_path_factory):
               syn.Spec("activation", "beam_inversion", 4, m, defense="mixup"),
               syn.Spec("activation_defense_aware", "beam_inversion", 6, m, defense="mixup"),
               syn.Spec("activation", "beam_inversion", 8, m, defense="gaussian"),
-              syn.Spec("activation_defense_aware", "beam_inversion", 7, m, defense="gaussian")]
+              syn.Spec("activation_defense_aware", "beam_inversion", 7, m, defense="gaussian"),
+              syn.Spec("activation", "beam_inversion", 5, m, defense="topk"),
+              syn.Spec("activation_defense_aware", "beam_inversion", 5, m, defense="topk")]
   syn.make_run(str(root / "run"), str(root / "cap"), specs, POL.sha256)
   return scorecard.build(str(root / "run"), POL, modules=registry.module_entries(),
                          contrasts=False)
@@ -207,8 +289,11 @@ def test_run_derived_items_carry_the_studys_numbers(card):
   assert real["activation"]["evidence"] == "runs " + ", ".join(
       f"k6/public/none/m{m}/s0/activation" for m in range(3))
   adaptation = {i["detail"].split()[0]: i for i in items if i["kind"] == "adaptation"}
-  # Defense-aware beats the unaware attack under mixup (6 > 4 hits), not under gaussian (7 < 8).
-  assert (adaptation["mixup"]["status"], adaptation["gaussian"]["status"]) == ("pass", "partial")
+  # Defense-aware beats the unaware attack under mixup (6 > 4 hits), not under gaussian
+  # (7 < 8), and a tie under topk (5 = 5, the same predictions) is no pass either.
+  assert (adaptation["mixup"]["status"], adaptation["gaussian"]["status"],
+          adaptation["topk"]["status"]) == ("pass", "partial", "partial")
+  assert "a tie: not shown to help" in adaptation["topk"]["detail"]
   assert set(i["module"] for i in adaptation.values()) == {"activation_defense_aware"}
 
 

@@ -326,7 +326,9 @@ def score(config, study: pathlib.Path) -> dict:
   if checks is not None and checks.outcomes:
     study_qualification.carry_outcomes(str(study), checks.outcomes)
   elif checks is not None and checks.run_checks:
-    study_qualification.run_and_record(str(study), modules)
+    study_qualification.run_and_record(str(study), modules,
+                                       timeout_s=60.0 * checks.timeout_minutes,
+                                       only=tuple(checks.modules))
   evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
   return scorecard.score_run(str(study), config.scoring, qualification_evidence=evidence,
                              overwrite=True)

@@ -9,20 +9,25 @@ item names its status, the test or runs it rests on and where its evidence comes
               force or known answers. A check's status is its test's recorded outcome
               (passed -> `pass`, failed or errored -> `fail`), read from the outcomes file
               the study logs (OUTCOMES_FILE, written by the pytest plugin
-              lla.study.pytest_outcomes): either the study ran the named tests itself
-              (`run_checks`, `python -m pytest TEST_IDS` in a subprocess), or a file such a
-              run wrote elsewhere, under the same lla version and commit, was carried into
-              it (`carry_outcomes`). Each result keeps its test id, lla version, commit and
-              the hash of its outcome. A check with no recorded outcome (not run, skipped,
-              its test file changed since it ran) is `unmeasured`, never `pass`.
+              lla.study.pytest_outcomes): either the study ran the tests of the attacks it
+              measured itself (`run_and_record`, `python -m pytest TEST_IDS` in a
+              subprocess; the main job does by default), or a file such a run wrote
+              elsewhere, on the same lla source and commit, was carried into it
+              (`carry_outcomes`). The file keeps each test's source, and its hashes are
+              recomputed from it whenever it is read (lla.study.pytest_outcomes says what
+              they prove). A passed test on a checkout with uncommitted changes is
+              `partial` (the commit does not name the code that passed). A check with no
+              recorded outcome (not run, skipped, its test file changed since it ran, its
+              attack not measured in the study) is `unmeasured`, never `pass`.
   real model  the study's undefended runs on the real (fine-tuned) target: the setting
               where the module's pooled excess over the frequency baseline is largest;
               `pass` if that excess clears the policy's positive-control bar (the module
               finds a leak where one exists), `partial` if it ran but never did.
   adaptation  a defense-aware or adaptive module on each defended configuration it ran
-              on: `pass` where its pooled excess is at least that of the defense-unaware
-              attack it refines (`reference_attack`) on the same configuration,
-              `partial` where it is below (the adaptation did not help there).
+              on: `pass` where its pooled excess is strictly above that of the
+              defense-unaware attack it refines (`reference_attack`) on the same
+              configuration, `partial` where it is not (a tie included: the adaptation
+              is not shown to help there).
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 import lla
-from lla import provenance
 from lla.evidence import files, rundir
 from lla.scoring import gates
 from lla.scoring import policy as policy_lib
@@ -48,6 +53,7 @@ OUTCOMES_FILE = f"{rundir.INPUTS}/qualification_outcomes.json"
 STATUS_OF_OUTCOME = {"passed": "pass", "failed": "fail", "error": "fail"}
 SOURCE_RUNS = "study runs"
 NOT_RUN = "not run"
+DIRTY = "uncommitted changes"
 
 
 def repository_root() -> pathlib.Path:
@@ -58,6 +64,12 @@ def repository_root() -> pathlib.Path:
 def check_ids(modules: list[dict]) -> list[str]:
   """Every test id the modules' declared checks name, sorted."""
   return sorted({test for m in modules for _, test, _ in m.get("checks", ())})
+
+
+def measured_modules(study: str, modules: list[dict]) -> list[dict]:
+  """The modules with a measured record in the study: the attacks it ran."""
+  ran = {r.attack for r in rundir.load_records(study) if r.status == "ok"}
+  return [m for m in modules if m["name"] in ran]
 
 
 def _defined(root: pathlib.Path, test_id: str) -> bool:
@@ -73,62 +85,91 @@ def _defined(root: pathlib.Path, test_id: str) -> bool:
                                         if isinstance(n, ast.FunctionDef)}
 
 
+def _not_run(who: dict, why: str) -> dict:
+  return {"schema": pytest_outcomes.SCHEMA, **who, "pytest_version": None,
+          "exit_status": None, "wall_s": 0.0, "tests": {}, "test_files": {},
+          "not_run": why}
+
+
 def run_checks(test_ids: list[str], root: str | os.PathLike | None = None,
                timeout_s: float | None = None) -> dict:
   """Runs the named tests (`python -m pytest TEST_IDS` in a subprocess, in `root`, default
   this checkout) with the outcomes plugin; returns the outcomes document it wrote. A test
-  that could not be collected has no outcome (its checks stay unmeasured)."""
+  that could not be collected has no outcome (its checks stay unmeasured); a checkout that
+  no commit names runs nothing (the document says why)."""
   root = pathlib.Path(root or repository_root())
+  who = pytest_outcomes.identity(root)
+  if who["git_commit"] == pytest_outcomes.UNKNOWN:
+    return _not_run(who, f"{root} is not a git checkout: no commit names the tests' code")
   # An id pytest cannot find stops the whole session, so only ids naming a test function
   # of a file that exists are passed (the others have no outcome).
   test_ids = [t for t in test_ids if _defined(root, t)]
   if not test_ids:  # (pytest without ids would run every test under root)
-    return {"schema": pytest_outcomes.SCHEMA, "lla_version": lla.__version__,
-            "git_commit": provenance._git_commit() or "unknown",  # pylint: disable=protected-access
-            "pytest_version": None, "exit_status": None, "tests": {}}
+    return _not_run(who, "no declared check names a test of this checkout")
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "outcomes.json")
     env = dict(os.environ, **{pytest_outcomes.ENV: path})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "lla.study.pytest_outcomes",
            "-p", "no:cacheprovider", f"--rootdir={root}", *test_ids]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    try:
+      proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                            timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      return _not_run(who, f"the tests ran past the limit of {timeout_s:.0f} s")
     if not os.path.exists(path):
       raise RuntimeError(f"pytest wrote no outcomes (exit {proc.returncode}): "
                          f"{(proc.stdout + proc.stderr)[-2000:]}")
     return files.read_json(path)
 
 
-def check_outcomes(document: dict, root: str | os.PathLike | None = None,
-                   where: str = "outcomes") -> dict:
-  """`document` (lla.study.pytest_outcomes) with its claims checked: its schema, that it
-  was made by this lla version and commit, and each outcome's hash; a test whose file has
-  changed since it ran (its sha256 differs from the file in `root` now) is dropped.
+def verify_document(document: dict, where: str = "outcomes") -> None:
+  """Recomputes every hash of an outcomes document from the document alone: each test
+  file's sha256 from the text it keeps, each outcome's claim.
 
   Raises:
-    ValueError (one line): another schema, lla version or commit, or a hash that does not
-      match what its result claims.
+    ValueError (one line): another schema, or a hash that does not match what it claims.
   """
   if document.get("schema") != pytest_outcomes.SCHEMA:
     raise ValueError(f"{where}: schema {document.get('schema')!r}, expected "
                      f"{pytest_outcomes.SCHEMA!r}")
-  here = {"lla_version": lla.__version__,
-          "git_commit": provenance._git_commit() or "unknown"}  # pylint: disable=protected-access
-  for field, value in here.items():
-    if document.get(field) != value:
-      raise ValueError(f"{where}: made under {field} {document.get(field)!r}, this is "
-                       f"{value!r}: outcomes of another version qualify nothing here")
-  root = pathlib.Path(root or repository_root())
-  kept = {}
+  sources = document.get("test_files", {})
   for test_id, result in sorted(document.get("tests", {}).items()):
-    expected = pytest_outcomes.outcome_sha256(test_id, result, document["lla_version"],
-                                              document["git_commit"])
-    if result.get("outcome_sha256") != expected:
+    text = sources.get(pytest_outcomes.file_of(test_id))
+    if text is None or pytest_outcomes.sha256_text(text) != result["test_file_sha256"]:
+      raise ValueError(f"{where}: {test_id}: its test file's text is missing or does not "
+                       "hash to test_file_sha256")
+    if result.get("outcome_sha256") != pytest_outcomes.outcome_sha256(test_id, result,
+                                                                      document):
       raise ValueError(f"{where}: {test_id}: outcome_sha256 does not hash what it claims")
-    if pytest_outcomes._file_sha256(str(root), test_id) != result["test_file_sha256"]:  # pylint: disable=protected-access
-      continue  # The test file changed since: not evidence of the code that is here.
-    kept[test_id] = result
-  return {**document, "tests": kept}
+
+
+def check_outcomes(document: dict, root: str | os.PathLike | None = None,
+                   where: str = "outcomes") -> dict:
+  """`document` (lla.study.pytest_outcomes) with its claims checked against this process
+  and the checkout at `root`: `verify_document`, then the same lla version and source and
+  a known, equal commit ("unknown" matches nothing); a test whose file has changed since
+  it ran (its text differs from the file in `root` now) is dropped.
+
+  Raises:
+    ValueError (one line): any of the above differs.
+  """
+  verify_document(document, where)
+  root = pathlib.Path(root or repository_root())
+  here = pytest_outcomes.identity(root)
+  for field in ("lla_version", "lla_source_sha256"):
+    if document.get(field) != here[field]:
+      raise ValueError(f"{where}: made under {field} {document.get(field)!r}, this is "
+                       f"{here[field]!r}: outcomes of other code qualify nothing here")
+  made, now = document.get("git_commit"), here["git_commit"]
+  if pytest_outcomes.UNKNOWN in (made, now) or made != now:
+    raise ValueError(f"{where}: made at commit {made!r}, this checkout is at {now!r}: "
+                     "outcomes qualify only the commit that names them")
+  kept = {t: r for t, r in sorted(document.get("tests", {}).items())
+          if document["test_files"].get(pytest_outcomes.file_of(t)) ==
+          pytest_outcomes.read_test_file(root, t)}  # else changed since: not evidence here
+  return {**document, "tests": kept,
+          "test_files": {p: s for p, s in document.get("test_files", {}).items()
+                         if any(pytest_outcomes.file_of(t) == p for t in kept)}}
 
 
 def record_outcomes(study: str, document: dict, how: str) -> str:
@@ -145,10 +186,17 @@ def record_outcomes(study: str, document: dict, how: str) -> str:
 
 
 def run_and_record(study: str, modules: list[dict], root=None,
-                   timeout_s: float | None = None) -> dict:
-  """Runs every declared check's test and logs the outcomes in the study."""
-  document = check_outcomes(run_checks(check_ids(modules), root, timeout_s), root,
-                            "the study's pytest run")
+                   timeout_s: float | None = None, only=()) -> dict:
+  """Runs the declared checks of the modules the study measured (`measured_modules`; of
+  those named in `only`, when given) and logs the outcomes in the study, with the modules
+  whose checks ran and the seconds the run took (`wall_s`)."""
+  started = time.time()
+  chosen = [m for m in measured_modules(study, modules) if not only or m["name"] in only]
+  document = run_checks(check_ids(chosen), root, timeout_s)
+  if "not_run" not in document:
+    document = check_outcomes(document, root, "the study's pytest run")
+  document = {**document, "modules": sorted(m["name"] for m in chosen),
+              "wall_s": round(time.time() - started, 1)}
   record_outcomes(study, document, "run by the study (python -m pytest TEST_IDS)")
   return document
 
@@ -163,14 +211,16 @@ def carry_outcomes(study: str, path: str, root=None) -> dict:
 
 def recorded_outcomes(study: str) -> dict | None:
   """The outcomes document the study logs, or None; refused if it differs from its log
-  entry."""
+  entry or its hashes do not recompute from its own text (`verify_document`)."""
   path = os.path.join(study, OUTCOMES_FILE)
   if not os.path.exists(path):
     return None
   logged = rundir.logged_files(study).get(OUTCOMES_FILE)
   if logged is None or logged[0] != files.sha256_file(path):
     raise ValueError(f"{path}: not the file the study's log recorded; run verify")
-  return files.read_json(path)
+  document = files.read_json(path)
+  verify_document(document, path)
+  return document
 
 
 def _outcome(outcomes: dict, test_id: str) -> tuple[str | None, list[dict]]:
@@ -189,26 +239,42 @@ def _outcome(outcomes: dict, test_id: str) -> tuple[str | None, list[dict]]:
   return ("passed" if got == {"passed"} else sorted(got - {"passed"})[0]), cases
 
 
+def _why_unmeasured(outcomes: dict | None, outcome: str | None) -> str:
+  if outcomes is None:
+    return "the study records no test outcomes"
+  if outcomes.get("not_run"):
+    return f"not run: {outcomes['not_run']}"
+  if outcome is None:
+    return ("no outcome of this test in the study's record (its attack not measured in "
+            "the study, or not among the modules whose checks ran)")
+  return f"the test was {outcome}"
+
+
 def from_checks(modules: list[dict], outcomes: dict | None = None) -> list[dict]:
   """An item for every (kind, test id, what it checks) of each module's checks, its status
   from the test's recorded outcome in `outcomes` (the study's OUTCOMES_FILE); without a
-  recorded outcome, `unmeasured`."""
+  recorded outcome, `unmeasured`; a pass on a checkout with uncommitted changes (or where
+  git could not say), `partial`."""
   out = []
   for m in modules:
     for kind, test, detail in m.get("checks", ()):
       outcome, results = (None, []) if outcomes is None else _outcome(outcomes, test)
       item = {"module": m["name"], "kind": kind, "evidence": test, "detail": detail}
       if outcome is None or outcome not in STATUS_OF_OUTCOME:
-        why = ("the study records no test outcomes" if outcomes is None else
-               "no outcome of this test in the study's record" if outcome is None else
-               f"the test was {outcome}")
         out.append({**item, "status": "unmeasured", "source": NOT_RUN,
-                    "detail": f"{detail} ({why})"})
+                    "detail": f"{detail} ({_why_unmeasured(outcomes, outcome)})"})
         continue
-      out.append({**item, "status": STATUS_OF_OUTCOME[outcome],
-                  "source": f"pytest outcome in {OUTCOMES_FILE}",
+      status, source = STATUS_OF_OUTCOME[outcome], f"pytest outcome in {OUTCOMES_FILE}"
+      tree = f"commit {outcomes['git_commit'][:12]}"
+      if outcomes.get("git_dirty") is not False:
+        source += f" ({DIRTY})"
+        tree += (" with uncommitted changes" if outcomes.get("git_dirty") else
+                 ", git could not say whether the checkout was clean")
+        status = "partial" if status == "pass" else status
+      out.append({**item, "status": status, "source": source,
                   "detail": f"{detail} (pytest: {outcome}, lla {outcomes['lla_version']}, "
-                            f"commit {outcomes['git_commit'][:12]})",
+                            f"{tree}, lla source "
+                            f"{outcomes['lla_source_sha256'][:12]})",
                   "outcome": outcome,
                   "outcome_sha256": hashlib.sha256("".join(
                       r["outcome_sha256"] for r in results).encode()).hexdigest()
@@ -259,9 +325,13 @@ def from_card(card: dict, modules: list[dict], pol: policy_lib.Policy) -> list[d
       if reference is None:
         status, versus = "partial", "its defense-unaware reference attack was not run here"
       else:
-        status = "pass" if metrics["excess_pp"] >= reference["excess_pp"] else "partial"
+        # Strictly above: a tie (both at the same bound, e.g. both recovering everything or
+        # nothing) does not show that the adaptation helps.
+        status = "pass" if metrics["excess_pp"] > reference["excess_pp"] else "partial"
         versus = (f"defense-unaware {spec['reference_attack']} "
-                  f"{reference['excess_pp']:+.2f} pp")
+                  f"{reference['excess_pp']:+.2f} pp"
+                  + (" (a tie: not shown to help)"
+                     if metrics["excess_pp"] == reference["excess_pp"] else ""))
       out.append({"module": spec["name"], "kind": "adaptation", "status": status,
                   "source": SOURCE_RUNS,
                   "evidence": "runs " + ", ".join(_runs(card, config, key)),
