@@ -12,4 +12,7 @@ from lla.defenses.base import (Defense, DefenseError, Secret, SecretKeys, apply,
 from lla.defenses.dp_forward import DPForward, analytic_gaussian_sigma
 from lla.defenses.dx_privacy import DxPrivacy
 from lla.defenses.gradients import GradientClipNoise, guard_gradient
+from lla.defenses.mid import Mid
 from lla.defenses.nopeek import NoPeek, distance_correlation
+from lla.defenses.snd import SplitAndDenoise
+from lla.defenses.sanitise import CusText, SanText

@@ -8,7 +8,9 @@ Per defense kind, what crosses the cut and what the client minimises:
     from the defended gradient while the server's own layers get their exact gradient;
   * "embeddings" (`dx_privacy`): the client's blocks run on the defended input embeddings
     (`defended_client`); h is what they compute, and the loss the server's CE on it;
-  * "training" (`nopeek`): messages are untouched; the client adds alpha * dCor(wte[x], h).
+  * "training" (`nopeek`): messages are untouched; the client adds alpha * dCor(wte[x], h);
+  * `mid` (acts on "activations" with trained weights of its own, in params["mid"]): the
+    server sees the bottleneck's sample h' (`forward_message`); the client adds lambda * KL.
 `defense` (public parameters only, a frozen dataclass) is a static argument; the secret
 enters as traced `SecretKeys`, so one mechanism configuration compiles once for every
 secret. Zero strength gives exactly the undefended loss, gradients and messages.
@@ -26,6 +28,7 @@ import numpy as np
 from lla.defenses.activations import SecretMixup
 from lla.defenses.base import Defense, DefenseError, Secret, SecretKeys, apply, step_keys
 from lla.defenses.gradients import guard_gradient
+from lla.defenses.mid import Mid
 from lla.defenses.nopeek import NoPeek
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -54,6 +57,15 @@ def defended_client(params, cfg: GPT2Config, tokens: jax.Array, k: int,
   return split.client_from_embeddings(params, cfg, e, k)
 
 
+def forward_message(params, h: jax.Array, defense: Defense | None,
+                    keys: SecretKeys | None) -> jax.Array:
+  """h' [B, T, d] the server receives for the client's h: `apply`, except for a defense with
+  trained weights of its own in `params` (mid), which its `wire` applies."""
+  if defense is not None and not defense.off and isinstance(defense, Mid):
+    return defense.wire(params, h, keys)
+  return h if defense is None else apply(defense, h, keys)
+
+
 def _wire_and_server_loss(params, cfg, h, tokens, k, defense, keys):
   """(h on the wire [B, T, d], the server's loss as a function of the wire message)."""
   if defense.off or defense.acts_on != "activations":
@@ -63,6 +75,9 @@ def _wire_and_server_loss(params, cfg, h, tokens, k, defense, keys):
     wire, lam, partners = defense.mix(h, keys.step)
     loss_of_wire = lambda w: mixed_next_token_loss(
         split.server_loss(params, cfg, w, tokens, k)[1], tokens, lam, partners)
+  elif isinstance(defense, Mid):
+    wire = defense.wire(params, h, keys)
+    loss_of_wire = lambda w: split.server_loss(params, cfg, w, tokens, k)[0]
   else:
     wire = defense.transform(h, keys)
     loss_of_wire = lambda w: split.server_loss(params, cfg, w, tokens, k)[0]
@@ -86,6 +101,8 @@ def defended_loss(model_params, cfg: GPT2Config, tokens: jax.Array, k: int,
   loss = loss_of_wire(wire)
   if not defense.off and isinstance(defense, NoPeek):
     loss = loss + defense.penalty(split.wte(model_params)[tokens], h)
+  if not defense.off and isinstance(defense, Mid):
+    loss = loss + defense.penalty(model_params, h)
   return loss
 
 
@@ -144,7 +161,8 @@ def batched_messages(params, cfg: GPT2Config, tokens: np.ndarray, k: int, defens
       h, g = defended_messages(params, cfg, batch, k, defense, keys)
       gs.append(np.asarray(g, np.float32))
     else:
-      h = apply(defense, defended_client(params, cfg, batch, k, defense, keys), keys)
+      h = forward_message(params, defended_client(params, cfg, batch, k, defense, keys),
+                          defense, keys)
     hs.append(np.asarray(h, np.float32))
   return np.concatenate(hs), (np.concatenate(gs) if training else None)
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lla.defenses.base import Defense, Secret, SecretKeys, apply
-from lla.defenses.training import defended_client
+from lla.defenses.base import Defense, Secret, SecretKeys
+from lla.defenses.training import defended_client, forward_message
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -30,7 +30,7 @@ def document_cross_entropy(params, cfg: GPT2Config, tokens: jax.Array, k: int,
   """Per-document mean next-token CE [B] of the split model, tokens [B, T]."""
   h = defended_client(params, cfg, tokens, k, defense, keys)
   if defense is not None and defense.acts_on == "activations":
-    h = apply(defense, h, keys)
+    h = forward_message(params, h, defense, keys)
   _, logits = split.server_loss(params, cfg, h, tokens, k)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
   return ce.mean(axis=1)

@@ -13,6 +13,7 @@ hashes and the held-out CE before and after. `workdir/models.json` lists them al
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -36,6 +37,11 @@ def seeds(config: ml_collections.ConfigDict) -> list[int]:
 
 def seed_dir(workdir: str | os.PathLike, seed: int) -> pathlib.Path:
   return pathlib.Path(workdir) / f"seed_{seed}"
+
+
+def defense_weights_file(workdir: str | os.PathLike, seed: int, defense) -> pathlib.Path:
+  """Where the defender keeps the trained weights of a defense that has them (mid)."""
+  return pathlib.Path(workdir) / "defender" / f"seed_{seed}_{defense.name}.npz"
 
 
 def knowledge(train_client_layers: bool) -> str:
@@ -106,6 +112,12 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   params, cfg, provenance = base.params, base.cfg, base_provenance(base)
   if not 1 <= config.k < cfg.n_layer:
     raise ValueError(f"cut k={config.k} must satisfy 1 <= k < n_layer={cfg.n_layer}")
+  # A defense with trained weights of its own (mid's bottleneck): the client's secret,
+  # initialised from it, trained with the model under params[defense.params_key], then kept
+  # by the defender beside the checkpoint (its hash in the metadata), never in it.
+  own_weights = defense is not None and not defense.off and hasattr(defense, "params_key")
+  if own_weights:
+    params = {**params, defense.params_key: defense.init_weights(cfg, secret)}
   tokens = splits.training.tokens
   steps = num_steps(config, tokens.shape[0])
   trainable = loop.trainable_mask(params, config.k, config.train_client_layers)
@@ -118,8 +130,12 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                           batch_size=config.batch_size, seed=seed, trainable=trainable,
                           log_every=config.log_every, desc=f"finetune seed {seed}",
                           loss_fn=loss_fn, loss_inputs=loss_inputs)
-      held_out = loop.evaluate(result.params, cfg, splits.evaluation.tokens,
-                               config.eval_batch_size)
+      model = result.params
+      if own_weights:
+        model = {n: v for n, v in result.params.items() if n != defense.params_key}
+        weights_sha256 = defense.save_weights(defense_weights_file(workdir, seed, defense),
+                                              result.params[defense.params_key])
+      held_out = loop.evaluate(model, cfg, splits.evaluation.tokens, config.eval_batch_size)
       logging.info("seed %d: held-out CE %.4f -> %.4f", seed, base_eval["ce"], held_out["ce"])
       metadata = {
           "kind": "finetune",
@@ -136,7 +152,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
           "eval_after": held_out,
           "data": splits.to_json(),
       }
-      return result.params, cfg, metadata
+      if own_weights:
+        metadata["defense_weights_sha256"] = weights_sha256
+      return model, cfg, metadata
 
     checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf,
                                         tokenizer=base.tokenizer)
@@ -147,6 +165,11 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       raise CheckpointMismatch(f"{checkpoint.path} was made with a different config or base "
                                f"(differs in {', '.join(differ)[:300]}); use another --workdir "
                                "or delete it")
+    if own_weights:
+      weights = defense.load_weights(defense_weights_file(workdir, seed, defense),
+                                     checkpoint.metadata.get("defense_weights_sha256", ""))
+      checkpoint = dataclasses.replace(
+          checkpoint, params={**checkpoint.params, defense.params_key: weights})
     checkpoints.append(checkpoint)
   _write_manifest(workdir, checkpoints)
   return checkpoints
