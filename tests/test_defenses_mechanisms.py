@@ -26,6 +26,8 @@ ZERO_STRENGTH = {
     "nopeek": dict(alpha=0.0),
     "dx_privacy": dict(epsilon=None),
     "dp_forward": dict(epsilon=None),
+    "santext": dict(epsilon=None),
+    "custext": dict(epsilon=None),
 }
 
 
