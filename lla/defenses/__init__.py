@@ -15,5 +15,3 @@ from lla.defenses.gradients import GradientClipNoise, guard_gradient
 from lla.defenses.mid import Mid
 from lla.defenses.nopeek import NoPeek, distance_correlation
 from lla.defenses.sanitise import CusText, SanText
-from lla.defenses.snd import SplitAndDenoise
-from lla.defenses.sanitise import CusText, SanText
