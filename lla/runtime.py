@@ -43,17 +43,25 @@ computation: XLA:CPU sizes its intra-op thread pool from the CPUs a process may 
 its idle threads spin before they sleep, so two unpinned processes on two cores take turns
 at spinning. Four compile-heavy test files under `pytest -n 2`: 183-185 s pinned against
 220-238 s unpinned, 342 user seconds against 412 (docs/benchmarks.md section 13).
+
+Compile cost is counted from JAX's own monitoring events (`compile_totals`, `compile_since`):
+every trace to a jaxpr, lowering to MLIR and backend compilation (an XLA compile, or a load
+from the persistent cache) JAX runs in this process, however it was reached (lla's
+executable cache, a plain jax.jit call, an eager op). Attack records and the main job's
+phases carry the differences (docs/run_format.md, lla.study.report).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
 from absl import logging
 import jax
+from jax import monitoring
 
 ENV_VAR = "LLA_COMPILATION_CACHE_DIR"
 PRECISION_ENV_VAR = "LLA_MATMUL_PRECISION"
@@ -67,6 +75,19 @@ CROWDED_FRACTION = 0.5
 _CACHE_CLEARERS: list[Callable[[], None]] = []  # lla's own executable caches
 _JAX_PRECISION = {"float32": "highest", "tensorfloat32": "tensorfloat32",
                   "bfloat16": "bfloat16"}
+# JAX's monitoring events of a compilation (jax 0.10.2: jax/_src/dispatch.py and
+# compiler.py, compilation_cache.py). The backend's duration spans the persistent cache's
+# look-up: a hit's load is counted there, as the compile it replaced.
+_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "backend_s"}
+_COUNTS = {"/jax/core/compile/backend_compile_duration": "executables",
+           "/jax/compilation_cache/cache_hits": "cache_hits",
+           "/jax/compilation_cache/cache_misses": "cache_writes"}
+_COMPILE_TOTALS = dict.fromkeys(("trace_s", "lower_s", "backend_s"), 0.0) | dict.fromkeys(
+    ("executables", "cache_hits", "cache_writes"), 0)
+_COMPILE_LOCK = threading.Lock()
+_LISTENING: list[bool] = []  # [True] once the listeners are registered
 
 
 def default_compilation_cache_dir() -> Path | None:
@@ -87,17 +108,76 @@ def configure(compilation_cache_dir: str | os.PathLike | None = None,
 
   Every executable is cached, however short its compilation: an attack compiles dozens of
   small ones (candidate rankings, one-position steps) whose total dominates a cold start.
+  Processes given the same directory share it (a sweep's workers are given their
+  driver's, `worker_environment`): each loads what another compiled with the same key
+  instead of compiling it again (tests/test_runtime_shared_cache.py). Two that compile one
+  program at once both write it; one that reads an entry still being written fails to load
+  it, warns and compiles (JAX's compiler._cache_read), never runs a broken executable.
   """
   configure_matmul_precision(matmul_precision)
   path = (Path(compilation_cache_dir) if compilation_cache_dir is not None
           else default_compilation_cache_dir())
   if path is None:
     return None
+  compile_totals()  # counting from the first compilation on
   path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
+  # JAX persists by default only executables that took >= 1 s to compile, and its size
+  # floor 0 means "the cache's backend may raise it" (jax/_src/compilation_cache.py):
+  # every other process (a sweep's workers, a job's followers, the next run) would compile
+  # the many small ones again. No time floor, and -1: no size floor that anything overrides.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   return path
+
+
+def _on_duration(event: str, seconds: float, **unused_metadata) -> None:
+  if event in _DURATIONS:
+    with _COMPILE_LOCK:
+      _COMPILE_TOTALS[_DURATIONS[event]] += seconds
+      if event in _COUNTS:
+        _COMPILE_TOTALS[_COUNTS[event]] += 1
+
+
+def _on_event(event: str, **unused_metadata) -> None:
+  if event in _COUNTS:
+    with _COMPILE_LOCK:
+      _COMPILE_TOTALS[_COUNTS[event]] += 1
+
+
+def compile_totals() -> dict:
+  """What this process has compiled so far, from JAX's monitoring events: seconds tracing
+  (trace_s), lowering (lower_s) and in the backend (backend_s: XLA's compile, or the
+  persistent cache's load), executables built (each backend compilation: one executable,
+  distinct from every other this process holds while its in-memory caches are not
+  dropped, `release_compiled_when_crowded`), how many of them the persistent cache gave
+  (cache_hits) and how many compiles it stored (cache_writes). The first call registers
+  the listeners: compilations before it are not counted."""
+  with _COMPILE_LOCK:
+    if not _LISTENING:
+      monitoring.register_event_duration_secs_listener(_on_duration)
+      monitoring.register_event_listener(_on_event)
+      _LISTENING.append(True)
+    return dict(_COMPILE_TOTALS)
+
+
+def compile_since(before: dict) -> dict:
+  """`compile_totals()` now minus `before` (an earlier `compile_totals()`), with
+  `seconds` (trace + lower + backend) and `compiled` (executables that XLA compiled,
+  i.e. not loaded from the persistent cache)."""
+  now = compile_totals()
+  spent = {key: now[key] - before.get(key, 0) for key in now}
+  spent["seconds"] = spent["trace_s"] + spent["lower_s"] + spent["backend_s"]
+  spent["compiled"] = spent["executables"] - spent["cache_hits"]
+  return spent
+
+
+def worker_environment() -> dict[str, str]:
+  """The environment that points a process this one starts at this process's persistent
+  compilation cache ($LLA_COMPILATION_CACHE_DIR: its directory, or "off"), so that neither
+  compiles what the other did."""
+  directory = jax.config.jax_compilation_cache_dir
+  return {ENV_VAR: str(directory) if directory else "off"}
 
 
 def resolve_matmul_precision(requested: str, backend: str) -> str:

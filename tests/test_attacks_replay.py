@@ -328,6 +328,23 @@ def test_coverage_places_every_replayed_attack(reference_run):
   assert card["coverage"]["counts"]["unmeasured"] < card["coverage"]["in_scope"]
 
 
+def test_records_carry_what_jax_compiled_while_their_attack_ran(setup, reference_run):
+  """Each record's jax_compile (lla.replay.driver.compile_meter): its parts add up, its
+  compile seconds lie within its wall time; the first replay compiles, a second of the
+  same attacks in the same process compiles nothing (every executable is held)."""
+  root, attacker, _ = setup
+  _, records = reference_run
+  for r in records:
+    spent = r.jax_compile
+    assert spent["seconds"] == spent["trace_s"] + spent["lower_s"] + spent["backend_s"]
+    assert spent["compiled"] == spent["executables"] - spent["cache_hits"]
+    assert 0 <= spent["seconds"] <= spent["wall_s"]
+    np.testing.assert_allclose(spent["run_s"], spent["wall_s"] - spent["seconds"])
+  assert sum(r.jax_compile["executables"] for r in records) > 0
+  again = run(root, attacker, "run_compiled", attacks=["ridge", "activation"])
+  assert [r.jax_compile["executables"] for r in again] == [0, 0]
+
+
 def test_replay_binary_bad_inputs_are_one_line_errors(setup, reference_run, tmp_path):
   """Each bad value: one line naming the field and its allowed range, non-zero exit, and
   the run directory exactly as it was."""

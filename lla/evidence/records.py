@@ -73,6 +73,11 @@ class AttackRecord:
   # code_identity: its module and every lla module it imports); None in records written
   # before the field, and in records of writers that run no registered code.
   attack_code_sha256: str | None = None
+  # What this process compiled while the attack ran, from JAX's monitoring events
+  # (lla.runtime.compile_since): seconds tracing, lowering and in the backend, executables
+  # built and loaded from the persistent cache, beside the attack's own wall and run
+  # (wall - compile) seconds; None in records written before the field.
+  jax_compile: dict | None = None
   schema: str = SCHEMA
 
   def __post_init__(self):

@@ -24,6 +24,7 @@ import dataclasses
 import io
 import json
 import os
+import time
 import traceback
 
 import jax
@@ -461,14 +462,15 @@ def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
 
 
 def execute(ws: Workspace, spec, values: dict, seed: int):
-  """Runs one attack, metered: (AttackResult, predictions [B, T] int32, Charge, None), or
-  (None, None, Charge, the exception) when it crashed. Every process of a job runs this.
+  """Runs one attack, metered: (AttackResult, predictions [B, T] int32, Charge, None,
+  compile), or (None, None, Charge, the exception, compile) when it crashed; `compile` is
+  what this process compiled meanwhile (`compile_meter`). Every process of a job runs this.
 
   A long study's compiled executables are dropped first when they crowd the process's
   memory mappings (lla.runtime): XLA:CPU would not survive the next compile."""
   runtime.release_compiled_when_crowded()
   view = budget_lib.View(values, spec.budget_fields, spec.name)
-  with ws.attack_scope(spec.name):
+  with compile_meter() as spent, ws.attack_scope(spec.name):
     try:
       result = registry.get(spec.name)(ws, view, jax.random.key(seed))
       predictions = _check_predictions(result.predictions, ws)
@@ -476,14 +478,35 @@ def execute(ws: Workspace, spec, values: dict, seed: int):
       raise
     except Exception as e:  # A crashed module is recorded as unmeasured, never as a failed attack.
       logging.error("attack %s crashed:\n%s", spec.name, traceback.format_exc())
-      return None, None, ws.charge(0.0), e
-    return result, predictions, ws.charge(result.flops_analytic), None
+      outcome = None, None, ws.charge(0.0), e
+    else:
+      outcome = result, predictions, ws.charge(result.flops_analytic), None
+  return (*outcome, spent)
+
+
+@contextlib.contextmanager
+def compile_meter():
+  """Yields a dict that, on exit, holds what this process compiled inside the block
+  (lla.runtime.compile_since: seconds, trace_s, lower_s, backend_s, executables,
+  cache_hits, cache_writes, compiled) with the block's wall seconds (wall_s) and the rest
+  of them (run_s = wall_s - seconds). Unlike a record's compile_s (lla's executable cache,
+  shared stages charged in full to each attack that uses them), it counts every
+  compilation JAX ran here, and only once."""
+  spent = {}
+  before, start = runtime.compile_totals(), time.perf_counter()
+  try:
+    yield spent
+  finally:
+    wall = time.perf_counter() - start
+    spent.update(runtime.compile_since(before), wall_s=wall)
+    spent["run_s"] = wall - spent["seconds"]
 
 
 def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, error,
                 prediction_file: str | None, prediction_sha256: str | None,
-                common: dict) -> AttackRecord:
-  """The record of one executed attack (`error` set: a crashed, unmeasured one)."""
+                common: dict, jax_compile: dict | None = None) -> AttackRecord:
+  """The record of one executed attack (`error` set: a crashed, unmeasured one);
+  `jax_compile`: what `execute` measured of its compilation."""
   view = budget_lib.View(values, spec.budget_fields, spec.name)
   measured = error is None
   return AttackRecord(
@@ -497,21 +520,23 @@ def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, 
       flops_source=charge.flops_source if measured else None,
       flops_analytic=charge.flops_analytic if measured else None,
       wall_s=charge.wall_s, compile_s=charge.compile_s, stages=charge.stages,
-      details=dict(result.details) if measured else {}, **common)
+      details=dict(result.details) if measured else {}, jax_compile=jax_compile, **common)
 
 
 def _run_one(run_dir, ws: Workspace, spec, values: dict, seed: int, run_prefix: str,
              common: dict) -> AttackRecord:
   run_id = run_prefix + spec.name
-  result, predictions, charge, error = execute(ws, spec, values, seed)
+  result, predictions, charge, error, spent = execute(ws, spec, values, seed)
   rel = sha = None
   if error is None:
     rel, sha = rundir.save_predictions(run_dir, file_name(run_id), predictions)
-  record = make_record(spec, ws, values, run_id, result, charge, error, rel, sha, common)
+  record = make_record(spec, ws, values, run_id, result, charge, error, rel, sha, common,
+                       spent)
   rundir.save_record(run_dir, file_name(run_id), record)
   if error is None:
-    logging.info("replay: %s done in %.1fs (%.1fs compiling), %.3g FLOPs (%s)", spec.name,
-                 charge.wall_s, charge.compile_s, charge.flops, charge.flops_source)
+    logging.info("replay: %s done in %.1fs (%.1fs compiling, %d executables), %.3g FLOPs "
+                 "(%s)", spec.name, spent["wall_s"], spent["seconds"], spent["executables"],
+                 charge.flops, charge.flops_source)
   return record
 
 

@@ -126,7 +126,9 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
   raises it holds the job's peak) and, once the heap's free pages are given back where
   many are resident (lla.allocator.release_free), malloc's bytes in use and kept free
   (lla.allocator.heap_usage: what the phases before it left held), how much of it is JAX
-  arrays still referenced (lla.runtime.held_arrays) and the RSS left. A long
+  arrays still referenced (lla.runtime.held_arrays), the RSS left and what the process
+  has compiled so far (lla.runtime.compile_totals; a phase's own: the next phase's minus
+  its). A long
   study's compiled executables are dropped here before they exhaust the process's memory
   mappings (lla.runtime)."""
   runtime.release_compiled_when_crowded()
@@ -139,7 +141,7 @@ def _phase(workdir: pathlib.Path, name: str) -> None:
     timing["invocations"][-1].setdefault("phases", []).append(
         {"name": name, "started_unix": time.time(), "peak_rss_mb": _peak_rss_mb(),
          "heap": allocator.heap_usage(), "jax_arrays": runtime.held_arrays(),
-         "rss_mb": allocator.resident_mb()})
+         "rss_mb": allocator.resident_mb(), "compile": runtime.compile_totals()})
     files.atomic_write_json(str(path), timing, overwrite=True)
 
 
@@ -346,6 +348,7 @@ def _log_invocation(workdir: pathlib.Path, event: str, when: float) -> None:
     invocations[-1]["peak_rss_mb"] = _peak_rss_mb()
     invocations[-1]["heap"] = allocator.heap_usage()
     invocations[-1]["jax_arrays"] = runtime.held_arrays()
+    invocations[-1]["compile"] = runtime.compile_totals()
   workdir.mkdir(parents=True, exist_ok=True)
   files.atomic_write_json(str(path), {"invocations": invocations}, overwrite=True)
 
@@ -358,6 +361,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> pathlib.Path:
   naming this one, before it writes anything.
   """
   check_document_counts(config)
+  defense_sweep.configurations(config)  # A bad defense entry costs nothing.
   _check_not_a_run(pathlib.Path(workdir))
   study = pathlib.Path(workdir) / STUDY
   with rundir.locked(str(study), what="experiments.main_table"):

@@ -214,17 +214,31 @@ def _defense_points(card: dict, utility: dict) -> list[dict]:
         "ce_increase": sum(costs) / len(costs) if costs else None,
         "ce_increase_per_seed": costs,
     })
-  return sorted(points, key=lambda p: (p["defense"], p["label"]))
+  return sorted(points, key=lambda p: (p["defense"], _weakest_first(p), p["label"]))
+
+
+def _weakest_first(point: dict) -> float:
+  """Sort key: the defense's own strength (larger is stronger: 1 / epsilon for an epsilon,
+  so epsilon-parameterised defenses run from large epsilon to small); a configuration
+  without a numeric strength (the decoy-row arms) last."""
+  strength = point["strength"]
+  numeric = isinstance(strength, (int, float)) and not isinstance(strength, bool)
+  return float(strength) if numeric else float("inf")
+
+
+def _strength(strength) -> str:
+  if strength is None:
+    return "—"
+  return f"{strength:.4g}" if isinstance(strength, float) else str(strength)
 
 
 def defense_table(points: list[dict]) -> list[str]:
-  lines = ["| defense | strength | decision | envelope pp | set by | floor pp | best token rec. | "
-           "best exact doc | CE increase (nats, mean over seeds) | seeds | reasons |",
-           "|" + "---|" * 11]
+  lines = ["| defense | strength (larger is stronger; 1/epsilon for an epsilon) | decision | "
+           "envelope pp | set by | floor pp | best token rec. | best exact doc | CE increase "
+           "(nats, mean over seeds) | seeds | reasons |", "|" + "---|" * 11]
   for p in points:
     ce = "—" if p["ce_increase"] is None else f"{p['ce_increase']:+.4f}"
-    strength = "—" if p["strength"] is None else p["strength"]
-    lines.append(f"| {p['label']} | {strength} | **{p['decision']}** | "
+    lines.append(f"| {p['label']} | {_strength(p['strength'])} | **{p['decision']}** | "
                  f"{_pp(p['envelope_pp'])} | {p['envelope_by'] or '—'} | {_pp(p['floor_pp'])} | "
                  f"{_pct(p['token'])} | "
                  f"{_pct(p['exact_doc'])} | {ce} | {p['n_seeds']} | "
@@ -233,12 +247,14 @@ def defense_table(points: list[dict]) -> list[str]:
 
 
 def frontier_figure(points: list[dict], path: pathlib.Path) -> None:
-  """Privacy (envelope, exact-document recovery) against utility cost, one curve per defense."""
+  """Privacy (envelope, exact-document recovery) against utility cost, one curve per defense
+  drawn from its weakest configuration to its strongest (the defense's own strength, so an
+  epsilon runs from large to small)."""
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   markers = {"PASS": "o", "FAIL": "x", "INSUFFICIENT_EVIDENCE": "s"}
   for name in sorted({p["defense"] for p in points}):
     curve = sorted((p for p in points if p["defense"] == name and p["ce_increase"] is not None),
-                   key=lambda p: p["ce_increase"])
+                   key=_weakest_first)
     if not curve:
       continue
     for ax, key, scale in ((axes[0], "envelope_pp", 1.0), (axes[1], "exact_doc", 100.0)):
@@ -284,20 +300,32 @@ def decoy_section(workdir: pathlib.Path, out: pathlib.Path) -> list[str]:
 
 def phase_table(invocations: list[dict]) -> list[str]:
   """Minutes per phase of each invocation (timing.json; a phase ends where the next, or
-  the invocation, does), the process's peak RSS by the phase's end (where it rises, the
-  phase holds the peak) and malloc's bytes in use at its end (what the job still holds;
-  "—" where timing.json predates the measurement or malloc is not glibc's)."""
-  lines = ["| invocation | phase | minutes | peak RSS by its end (GB) | "
-           "malloc in use at its end (GB) |", "|---|---|---|---|---|"]
+  the invocation, does); of them, the seconds this process spent compiling (JAX's
+  tracing, lowering and backend compilation, lla.runtime.compile_totals) and the rest;
+  the executables it built, and how many of those the persistent compilation cache gave;
+  the process's peak RSS by the phase's end (where it rises, the phase holds the peak) and
+  malloc's bytes in use at its end (what the job still holds). "—" where timing.json
+  predates the measurement or malloc is not glibc's."""
+  lines = ["| invocation | phase | minutes | compile s | run s | executables (from cache) | "
+           "peak RSS by its end (GB) | malloc in use at its end (GB) |",
+           "|---|---|---|---|---|---|---|---|"]
   gb = lambda mb: "—" if mb is None else f"{mb / 1024:.1f}"
   for number, inv in enumerate(invocations, 1):
     phases = inv.get("phases", [])
     ends = [p["started_unix"] for p in phases[1:]] + [inv.get("finished_unix")]
     at_end = phases[1:] + [inv]
     for phase, end, after in zip(phases, ends, at_end):
-      minutes = "—" if end is None else f"{(end - phase['started_unix']) / 60:.1f}"
-      lines.append(f"| {number} | {phase['name']} | {minutes} | "
-                   f"{gb(after.get('peak_rss_mb'))} | {gb((after.get('heap') or {}).get('in_use_mb'))} |")
+      seconds = None if end is None else end - phase["started_unix"]
+      minutes = "—" if seconds is None else f"{seconds / 60:.1f}"
+      compile_s = run_s = executables = "—"
+      if seconds is not None and "compile" in phase and "compile" in after:
+        spent = {key: after["compile"][key] - phase["compile"][key] for key in phase["compile"]}
+        spent_s = spent["trace_s"] + spent["lower_s"] + spent["backend_s"]
+        compile_s, run_s = f"{spent_s:.0f}", f"{seconds - spent_s:.0f}"
+        executables = f"{spent['executables']} ({spent['cache_hits']})"
+      lines.append(f"| {number} | {phase['name']} | {minutes} | {compile_s} | {run_s} | "
+                   f"{executables} | {gb(after.get('peak_rss_mb'))} | "
+                   f"{gb((after.get('heap') or {}).get('in_use_mb'))} |")
   return lines
 
 

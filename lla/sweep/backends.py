@@ -35,6 +35,9 @@ FORWARDED_ENV_PREFIXES = ("LLA_", "JAX_", "XLA_")
 
 def _forwarded_env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+  # The driver's compilation cache, wherever it came from (lla.runtime), so that no worker
+  # compiles what another, or the driver, did.
+  env.update(runtime.worker_environment())
   # A Ray worker runs its threads before it imports lla: glibc's arena limit must be in
   # the environment it starts with (lla/allocator.py).
   tunables = allocator.environment_for_workers().get(allocator.TUNABLES_ENV_VAR)
@@ -130,8 +133,10 @@ class Ray:
       self._ray.kill(actor)
 
 
-def run_group(workdir: str, group) -> list:
-  """A submitit job: the cells of one group on one Worker; [(cell_id, result or error)]."""
+def run_group(workdir: str, group, environment: dict[str, str] | None = None) -> list:
+  """A submitit job: the cells of one group on one Worker; [(cell_id, result or error)].
+  `environment`: the driver's compilation cache (lla.runtime.worker_environment)."""
+  os.environ.update(environment or {})
   runtime.configure()
   worker = worker_lib.Worker(workdir)
   out = []
@@ -156,7 +161,7 @@ class Submitit:
     self._max_retries, self._poll_s = max_retries, poll_s
 
   def _submit(self, group):
-    return self._executor.submit(run_group, self._workdir, group)
+    return self._executor.submit(run_group, self._workdir, group, runtime.worker_environment())
 
   def run(self, groups) -> Iterator:
     jobs = {self._submit(group): (group, 0) for group in groups}

@@ -111,13 +111,15 @@ class Worker:
     common = {**plan.record_fields(self.study, e_hash, int(c["model_seed"])), "reference": None}
     attacks = []
     for spec in plan.specs:
-      result, predictions, charge, error = replay.execute(ws, spec, plan.values, plan.seed)
+      result, predictions, charge, error, spent = replay.execute(ws, spec, plan.values,
+                                                                 plan.seed)
       run_id = f"{cell.cell_id}/{spec.name}"
       name = replay.file_name(run_id)
       sha = None if error is not None else files.sha256_bytes(npy_bytes(predictions))
       record = replay.make_record(
           spec, ws, plan.values, run_id, result, charge, error,
-          None if error is not None else f"{rundir.PREDICTIONS}/{name}.npy", sha, common)
+          None if error is not None else f"{rundir.PREDICTIONS}/{name}.npy", sha, common,
+          spent)
       attacks.append({"name": spec.name, "file": name, "record": json.loads(record.to_json()),
                       "predictions": predictions})
     pinned = {"attacker_source": attacker.source, "attacker_params_sha256": attacker.model_id,
