@@ -28,6 +28,7 @@ ZERO_STRENGTH = {
     "dp_forward": dict(epsilon=None),
     "santext": dict(epsilon=None),
     "custext": dict(epsilon=None),
+    "snd": dict(epsilon=None),
 }
 
 

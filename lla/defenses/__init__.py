@@ -14,4 +14,5 @@ from lla.defenses.dx_privacy import DxPrivacy
 from lla.defenses.gradients import GradientClipNoise, guard_gradient
 from lla.defenses.mid import Mid
 from lla.defenses.nopeek import NoPeek, distance_correlation
+from lla.defenses.snd import SplitAndDenoise
 from lla.defenses.sanitise import CusText, SanText
