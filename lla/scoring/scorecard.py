@@ -13,6 +13,7 @@ from the study alone.
 """
 
 import collections
+import json
 import os
 
 import numpy as np
@@ -24,6 +25,7 @@ from lla.scoring import bootstrap
 from lla.scoring import coverage as coverage_lib
 from lla.scoring import gates
 from lla.scoring import metrics
+from lla.scoring import per_document
 from lla.scoring import policy as policy_lib
 from lla.scoring import qualification as qualification_lib
 from lla.scoring import similarity
@@ -79,6 +81,43 @@ def score_records(run_dir: str, records, tokenizer=None
     similar[r.run_id] = similarity.document_sums(pred, truth, r.scored_positions,
                                                  tokenizer)
   return scored, per_doc, similar
+
+
+def per_document_counts(run_dir: str, scored) -> dict:
+  """Run id -> the per-document counts (lla.scoring.per_document) of every measured record
+  whose attack committed per-document claims; read after `score_records` checked the
+  truth and the records against the log."""
+  truths, out = {}, {}
+  for s in scored:
+    r = s.record
+    if s.counts is None or per_document.FIELD not in (r.details or {}):
+      continue
+    path = rundir.resolve(run_dir, r.truth_file)
+    if path not in truths:
+      truths[path] = rundir.load_truth(path)
+    out[r.run_id] = per_document.count(r.details, truths[path], r.baseline_token,
+                                       r.scored_positions, f"record {r.run_id!r}")
+  return out
+
+
+def _per_document_section(run_dir, scored, groups, by_document, pol, flags, modules) -> dict:
+  """The scorecard's "per_document" entry: each claiming record's per-document metrics,
+  and the gate of every defended configuration holding one, with those counts in place
+  of the per-row ones (the other attacks' counts unchanged)."""
+  swap = lambda ss: [gates.Scored(s.record, by_document.get(s.record.run_id, s.counts))
+                     for s in ss]
+  everything = swap(scored)
+  return {
+      "rule": ("each original document against the claim of the attack paired with it: "
+               "claims name the rows they were unmixed from, one claim per document, the "
+               "pairing with the most correct tokens (lla.scoring.per_document)"),
+      "rows": {run_id: metrics.summarize(c, pol.wilson_z)
+               for run_id, c in sorted(by_document.items())},
+      "gates": [gates.gate(swap(groups[key]), everything, pol, flags, modules,
+                           gates.observations(run_dir, groups[key]))
+                for key in sorted(groups) if groups[key][0].record.defense != "none" and
+                any(s.record.run_id in by_document for s in groups[key])],
+  }
 
 
 def check_truth(run_dir: str, record) -> None:
@@ -281,6 +320,7 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
     else:
       gate_list.append(gates.gate(g, scored, pol, flags, modules,
                                   gates.observations(run_dir, g)))
+  by_document = per_document_counts(run_dir, scored)
   known = [r for r in (s.record for s in scored) if r.flops is not None]
   cov = (coverage_lib.report(records, threat_space, modules or [],
                              pol.seed_fields, pol.min_seeds)
@@ -296,6 +336,10 @@ def build(run_dir: str, policy: policy_lib.Policy | None = None,
       "gates": gate_list,
       "contrasts": (_contrasts(scored, per_doc, pol, list(secondary))
                     if contrasts else None),
+      # Only where an attack made per-document claims: earlier scorecards rebuild byte for
+      # byte.
+      **({"per_document": _per_document_section(run_dir, scored, groups, by_document, pol,
+                                                flags, modules)} if by_document else {}),
       "cost": {"flops_total": sum(r.flops for r in known),
                "flops_unknown": sorted(r.run_id for r in records
                                        if r.flops is None),
@@ -476,6 +520,37 @@ def _pp(x):
   return "n/a" if x is None else f"{x:+.3f}"
 
 
+def _per_document_markdown(card: dict) -> list[str]:
+  """The per-document section: each claiming record's per-row and per-document figures,
+  and each defended configuration's verdict under both."""
+  section = card.get("per_document")
+  if not section:
+    return []
+  rows = {r["run_id"]: r["metrics"] for r in card["rows"]}
+  out = ["", "## Mixed rows scored per document", "",
+         f"Rule: {section['rule']}. The gates above score per row (the row's own "
+         "document); docs/attacks.md says why.", "",
+         "| run | per row: token rec. | exact doc | excess pp | per document: token rec. "
+         "| exact doc | excess pp |", "|---" * 7 + "|"]
+  for run_id, m in section["rows"].items():
+    r = rows[run_id]
+    out.append(f"| {run_id} | {_pct(r['token_recovery'])} | "
+               f"{_pct(r['exact_doc_recovery'])} | {_pp(r['excess_pp'])} | "
+               f"{_pct(m['token_recovery'])} | {_pct(m['exact_doc_recovery'])} | "
+               f"{_pp(m['excess_pp'])} |")
+  per_row = {json.dumps(g["config"], sort_keys=True): g for g in card["gates"]}
+  out += ["", "| defense | cut | knowledge | corpus | per row: decision | envelope pp (set by) "
+          "| per document: decision | envelope pp (set by) |", "|---" * 8 + "|"]
+  for g in section["gates"]:
+    c, row = g["config"], per_row[json.dumps(g["config"], sort_keys=True)]
+    params = f" {c['defense_params']}" if c["defense_params"] else ""
+    out.append(f"| {c['defense']}{params} | {c['cut']} | {c['knowledge']} | {c['corpus']} | "
+               + " | ".join(f"**{x['decision']}** | {_pp((x['envelope'] or {}).get('envelope_pp'))}"
+                            f" ({(x['envelope'] or {}).get('argmax', '-')})" for x in (row, g))
+               + " |")
+  return out
+
+
 def markdown(card: dict) -> str:
   """Human-readable rendering of a scorecard dict (derived from the JSON)."""
   pol, cov = card["policy"], card["coverage"]
@@ -546,6 +621,7 @@ def markdown(card: dict) -> str:
     out.append(f"| {r['run_id']} | {r['status']} | {r['defense']} | "
                f"{r['scored_positions']} | " + " | ".join(cells) +
                f" | {flops} | {wall} |")
+  out += _per_document_markdown(card)
   out += ["", "## Undefended envelopes", ""]
   for u in card["undefended"]:
     c, e = u["config"], u["envelope"]

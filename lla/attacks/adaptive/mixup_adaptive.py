@@ -39,10 +39,13 @@ client is causal. So (adaptive-attacks.md section 4):
      one), every proposal runs through the KV-cached client from that prefix, and
      coordinate descent over partners picks the tokens whose mixture is closest to y_t;
      `mixup_rounds` rounds refresh the shares and proposals.
-  3. Attribution. lla scores per document, and a row holds m texts with exchangeable
-     coefficients: nothing in the messages says which is the row's own. The row's
-     prediction is its heaviest partner's text, right for about 1/m of the rows, the most
-     any attacker gets without the secret partners.
+  3. Attribution. A row holds m texts with exchangeable coefficients: nothing in the
+     messages says which is the row's own. The row's prediction is its heaviest partner's
+     text, right for about 1/m of the rows, the most any attacker gets without the secret
+     partners. The texts themselves are the attack's per-document claims
+     (`details["documents"]`, lla.scoring.per_document): each unmixed document with the
+     rows it was unmixed from, and in a batch that did not link, each row's prediction
+     with its own row; the scorecard scores them per document beside the per-row score.
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ class Unmixing(NamedTuple):
   ambiguous: int       # first tokens shared by several documents
   decoded: int         # of those, splits that only the undefended attack could decide
   flops: float         # analytic FLOPs of the split choices
+  rows_of: list        # [B] the rows whose mixtures hold each unmixed document ([] unlinked)
 
 
 def pursuit(table: np.ndarray, norms2: np.ndarray, y: np.ndarray, m: int,
@@ -239,6 +243,13 @@ def groupings(slots: list[tuple[int, int]], m: int, limit: int = 64):
   return out if 0 < len(out) <= limit else None
 
 
+def claims(texts: np.ndarray, rows_of: list) -> dict:
+  """The attack's per-document claims as its record's details (lla.scoring.per_document):
+  texts [n, T] and, per text, the rows whose mixtures hold it."""
+  return {"documents": {"texts": np.asarray(texts, np.int64).tolist(),
+                        "rows": [list(map(int, r)) for r in rows_of]}}
+
+
 def _combinations(items, r):
   import itertools  # pylint: disable=g-import-not-at-top
   return itertools.combinations(items, r)
@@ -253,7 +264,8 @@ class MixupAdaptive:
       adapts_to=("mixup",), reference_attack="activation",
       # 2: splits of a shared first token that tie at the next position (documents sharing
       # more than one token) are decided by decoding; revision 1 let float rounding pick.
-      revision=2,
+      # 3: its record carries the per-document claims (details["documents"]).
+      revision=3,
       description="position-0 simplex pursuit over the vocabulary's rows, documents linked "
       "across rows by their first tokens, the mixing inverted, then the undefended attack",
       reference="../shared/notes/adaptive-attacks.md section 4; Carlini et al. S&P'21 "
@@ -263,7 +275,8 @@ class MixupAdaptive:
       "layers its knowledge grants and public calibration text; never the partners or "
       "the coefficients",
       capabilities=("m mixed documents per row (any m, greedy pursuit)",
-                    "attribution by the heaviest coefficient (1/m of the rows)"),
+                    "attribution by the heaviest coefficient (1/m of the rows)",
+                    "per-document claims: every unmixed document with its rows"),
       checks=(("synthetic", "tests/test_attacks_adaptive.py::test_mixup_rows_are_convex_combinations",
                "each mixed row equals sum_j lam_j h_partner_j (numpy, float64)"),
               ("adaptation", "tests/test_attacks_adaptive.py::test_mixup_adaptive_recovers_the_texts",
@@ -310,8 +323,8 @@ class MixupAdaptive:
     if linked.all():
       texts_of_docs, flops = adaptive.undefended_attack(
           ws, unmixed, int(budget.mixup_candidates), 2)
-      return registry.AttackResult(texts_of_docs[owner].astype(np.int32), analytic + flops,
-                                   stats)
+      return registry.AttackResult(texts_of_docs[owner].astype(np.int32), analytic + flops, {
+          **stats, **claims(texts_of_docs, unmixing.rows_of)})
     # Step 2b: rows of batches that do not link, position by position.
     num = min(int(budget.mixup_candidates), vocab)
     cache = self._prefix_cache(ws, texts[:, :, :first + 1])
@@ -356,14 +369,20 @@ class MixupAdaptive:
     # Step 3: each row's heaviest partner.
     own = np.argmax(lam, axis=1)
     predictions = texts[np.arange(ws.num_docs), own]
+    # The claims: every unmixed document; in a batch that did not link, each row's own
+    # prediction, tied to that row alone (its per-document score is its per-row one).
+    claimed = predictions.copy()
     if linked.any():
       filled = np.where(linked[:, None, None], unmixed, 0.0).astype(np.float32)
       texts_of_docs, flops = adaptive.undefended_attack(
           ws, filled, int(budget.mixup_candidates), 2)
       analytic += flops
       predictions = np.where(linked[owner][:, None], texts_of_docs[owner], predictions)
+      claimed = np.where(linked[:, None], texts_of_docs, claimed)
+    rows_of = [r if linked[b] else [b] for b, r in enumerate(unmixing.rows_of)]
     return registry.AttackResult(predictions.astype(np.int32), analytic, {
-        **stats, "mixture_residual_median_by_position": residuals})
+        **stats, "mixture_residual_median_by_position": residuals,
+        **claims(claimed, rows_of)})
 
   def _dictionary(self, ws: Workspace) -> np.ndarray:
     """[V, d] every token's client row at the first position after the known prefix."""
@@ -398,6 +417,7 @@ class MixupAdaptive:
     m = first.shape[1]
     unmixed = np.full(y.shape, np.nan)
     owner = np.arange(ws.num_docs)
+    rows_of = [[] for _ in range(ws.num_docs)]
     ambiguous = decoded = 0
     flops = 0.0
     for rows in batches_of(ws.batch_docs):
@@ -424,7 +444,8 @@ class MixupAdaptive:
       for i, b in enumerate(rows):
         heaviest = (int(b), int(np.argmax(lam[b])))
         owner[b] = rows[next(n for n, g in enumerate(docs) if heaviest in g)]
-    return Unmixing(unmixed, owner, ambiguous, decoded, flops)
+        rows_of[b] = sorted({int(row) for row, _ in docs[i]})
+    return Unmixing(unmixed, owner, ambiguous, decoded, flops, rows_of)
 
   def _split(self, ws: Workspace, budget, chosen, token: int, options, rows, lam, y):
     """Step 2a's choice among the splits (`options`) of the slots sharing first token
