@@ -53,9 +53,11 @@ phases carry the differences (docs/run_format.md, lla.study.report).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -110,7 +112,9 @@ def configure(compilation_cache_dir: str | os.PathLike | None = None,
   small ones (candidate rankings, one-position steps) whose total dominates a cold start.
   Processes given the same directory share it (a sweep's workers are given their
   driver's, `worker_environment`): each loads what another compiled with the same key
-  instead of compiling it again (tests/test_runtime_shared_cache.py). Two that compile one
+  instead of compiling it again (tests/test_runtime_shared_cache.py). In a job across
+  processes (lla.dist) JAX writes from process 0 alone: hosts share its entries only
+  through a directory on a filesystem they all mount ($LLA_COMPILATION_CACHE_DIR). Two that compile one
   program at once both write it; one that reads an entry still being written fails to load
   it, warns and compiles (JAX's compiler._cache_read), never runs a broken executable.
   """
@@ -170,6 +174,24 @@ def compile_since(before: dict) -> dict:
   spent["seconds"] = spent["trace_s"] + spent["lower_s"] + spent["backend_s"]
   spent["compiled"] = spent["executables"] - spent["cache_hits"]
   return spent
+
+
+@contextlib.contextmanager
+def compile_meter():
+  """Yields a dict that, on exit, holds what this process compiled inside the block
+  (`compile_since`: seconds, trace_s, lower_s, backend_s, executables,
+  cache_hits, cache_writes, compiled) with the block's wall seconds (wall_s) and the rest
+  of them (run_s = wall_s - seconds). Unlike an attack record's compile_s (lla's
+  executable cache, shared stages charged in full to each attack that uses them), it
+  counts every compilation JAX ran here, and only once."""
+  spent = {}
+  before, start = compile_totals(), time.perf_counter()
+  try:
+    yield spent
+  finally:
+    wall = time.perf_counter() - start
+    spent.update(compile_since(before), wall_s=wall)
+    spent["run_s"] = wall - spent["seconds"]
 
 
 def worker_environment() -> dict[str, str]:

@@ -329,7 +329,7 @@ def test_coverage_places_every_replayed_attack(reference_run):
 
 
 def test_records_carry_what_jax_compiled_while_their_attack_ran(setup, reference_run):
-  """Each record's jax_compile (lla.replay.driver.compile_meter): its parts add up, its
+  """Each record's jax_compile (lla.runtime.compile_meter): its parts add up, its
   compile seconds lie within its wall time; the first replay compiles, a second of the
   same attacks in the same process compiles nothing (every executable is held)."""
   root, attacker, _ = setup

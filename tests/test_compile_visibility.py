@@ -1,5 +1,5 @@
 """Compile cost made visible: lla.runtime's meter against a second count of JAX's own
-monitoring events, the replay's `compile_meter`, an attack record's `jax_compile` field
+monitoring events, its `compile_meter`, an attack record's `jax_compile` field
 (old records without it still load) and the main job's phase table."""
 
 import collections
@@ -14,7 +14,6 @@ import numpy as np
 
 from lla import runtime
 from lla.evidence.records import AttackRecord
-from lla.replay import driver
 from lla.study import report
 
 BACKEND = "/jax/core/compile/backend_compile_duration"
@@ -57,9 +56,9 @@ def test_the_meter_counts_each_new_executable_once_as_jax_reports_it():
   assert second["executables"] == 0 and second["seconds"] == 0
 
 
-def test_the_replays_meter_splits_a_blocks_wall_time_into_compile_and_run():
+def test_the_meter_splits_a_blocks_wall_time_into_compile_and_run():
   x, f, _ = _programs()
-  with driver.compile_meter() as spent:
+  with runtime.compile_meter() as spent:
     f(x)
     time.sleep(0.2)  # run time, no compile
   assert spent["executables"] == 1

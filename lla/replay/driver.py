@@ -24,7 +24,6 @@ import dataclasses
 import io
 import json
 import os
-import time
 import traceback
 
 import jax
@@ -464,13 +463,14 @@ def _check_predictions(predictions, ws: Workspace) -> np.ndarray:
 def execute(ws: Workspace, spec, values: dict, seed: int):
   """Runs one attack, metered: (AttackResult, predictions [B, T] int32, Charge, None,
   compile), or (None, None, Charge, the exception, compile) when it crashed; `compile` is
-  what this process compiled meanwhile (`compile_meter`). Every process of a job runs this.
+  what this process compiled meanwhile (lla.runtime.compile_meter). Every process of a
+  job runs this.
 
   A long study's compiled executables are dropped first when they crowd the process's
   memory mappings (lla.runtime): XLA:CPU would not survive the next compile."""
   runtime.release_compiled_when_crowded()
   view = budget_lib.View(values, spec.budget_fields, spec.name)
-  with compile_meter() as spent, ws.attack_scope(spec.name):
+  with runtime.compile_meter() as spent, ws.attack_scope(spec.name):
     try:
       result = registry.get(spec.name)(ws, view, jax.random.key(seed))
       predictions = _check_predictions(result.predictions, ws)
@@ -482,24 +482,6 @@ def execute(ws: Workspace, spec, values: dict, seed: int):
     else:
       outcome = result, predictions, ws.charge(result.flops_analytic), None
   return (*outcome, spent)
-
-
-@contextlib.contextmanager
-def compile_meter():
-  """Yields a dict that, on exit, holds what this process compiled inside the block
-  (lla.runtime.compile_since: seconds, trace_s, lower_s, backend_s, executables,
-  cache_hits, cache_writes, compiled) with the block's wall seconds (wall_s) and the rest
-  of them (run_s = wall_s - seconds). Unlike a record's compile_s (lla's executable cache,
-  shared stages charged in full to each attack that uses them), it counts every
-  compilation JAX ran here, and only once."""
-  spent = {}
-  before, start = runtime.compile_totals(), time.perf_counter()
-  try:
-    yield spent
-  finally:
-    wall = time.perf_counter() - start
-    spent.update(runtime.compile_since(before), wall_s=wall)
-    spent["run_s"] = wall - spent["seconds"]
 
 
 def make_record(spec, ws: Workspace, values: dict, run_id: str, result, charge, error,
