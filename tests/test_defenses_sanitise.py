@@ -155,3 +155,19 @@ def test_defended_capture_keeps_the_original_text_as_truth(tmp_path, name, publi
               for i, s in enumerate(range(0, 6, 4))]
   np.testing.assert_allclose(captured.activations, np.concatenate(expected), rtol=1e-5,
                              atol=1e-6)
+
+
+def test_fine_tuning_learns_from_the_sanitised_inputs_and_the_original_targets():
+  """defended_loss (and its gradient) is the server's CE on the ORIGINAL next tokens of the
+  client run on y: the same computation written out with y from the same keys."""
+  params = split.init_params(GPT2, jax.random.key(1))
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (4, 8)), jnp.int32)
+  defense, keys = D.make("santext", epsilon=10.0), SECRET.keys("santext", 4)
+  y = defense.sanitise(split.input_table(params), tokens, keys)
+  by_hand = lambda p: split.server_loss(p, GPT2, split.client(p, GPT2, y, 2), tokens, 2)[0]
+  loss, grad = jax.value_and_grad(
+      lambda p: training.defended_loss(p, GPT2, tokens, 2, defense, keys))(params)
+  expected_loss, expected_grad = jax.value_and_grad(by_hand)(params)
+  np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-6)
+  for a, b in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(expected_grad)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
