@@ -88,9 +88,9 @@ def custext_logits(table: jax.Array, sq_norms: jax.Array, x: jax.Array, epsilon:
   return support.astype(jnp.int32), 0.5 * epsilon * u
 
 
-def _rows(fn, xs, ids):
-  """lax.map of fn over rows in blocks of ROWS_PER_BLOCK (xs: a pytree of [n, ...])."""
-  return jax.lax.map(fn, (xs, ids), batch_size=ROWS_PER_BLOCK)
+def _rows(fn, *arrays):
+  """fn(a_i, b_i, ...) for every row i of arrays [n, ...], ROWS_PER_BLOCK rows at a time."""
+  return jax.lax.map(lambda row: fn(*row), arrays, batch_size=ROWS_PER_BLOCK)
 
 
 @functools.partial(jax.jit, static_argnames=("epsilon",))
@@ -100,7 +100,7 @@ def santext_log_partition(table: jax.Array, epsilon: float) -> jax.Array:
   table = jnp.asarray(table, jnp.float32)
   sq = jnp.sum(table * table, -1)
   ids = jnp.arange(table.shape[0], dtype=jnp.int32)
-  return _rows(lambda a: jax.nn.logsumexp(santext_logits(table, sq, a[1], epsilon)), ids, ids)
+  return _rows(lambda x: jax.nn.logsumexp(santext_logits(table, sq, x, epsilon)), ids)
 
 
 @functools.partial(jax.jit, static_argnames=("epsilon", "top_k"))
@@ -110,18 +110,18 @@ def custext_kernel(table: jax.Array, epsilon: float, top_k: int):
   sq = jnp.sum(table * table, -1)
   ids = jnp.arange(table.shape[0], dtype=jnp.int32)
 
-  def one(a):
-    support, logits = custext_logits(table, sq, a[1], epsilon, top_k)
+  def one(x):
+    support, logits = custext_logits(table, sq, x, epsilon, top_k)
     return support, jax.nn.log_softmax(logits)
 
-  return _rows(one, ids, ids)
+  return _rows(one, ids)
 
 
 def _sample(key: jax.Array, tokens: jax.Array, draw) -> jax.Array:
   """tokens [B, T] -> [B, T], row i = draw(x_i, Gumbel key of row i) (Gumbel-max)."""
   flat = tokens.reshape(-1).astype(jnp.int32)
   rows = jnp.arange(flat.shape[0], dtype=jnp.int32)
-  out = _rows(lambda a: draw(a[1], jax.random.fold_in(key, a[0])), rows, flat)
+  out = _rows(lambda i, x: draw(x, jax.random.fold_in(key, i)), rows, flat)
   return out.reshape(tokens.shape).astype(jnp.int32)
 
 

@@ -182,7 +182,7 @@ class SanitiseAdaptive:
                              prior_weight > 0, name, top_k)
     return registry.AttackResult(np.asarray(predictions, np.int32), analytic, {
         "mechanism": name, "epsilon": epsilon, "top_k": top_k, "prior_weight": prior_weight,
-        "recovered_changed": float(np.mean(np.asarray(predictions) != y))})
+        "refill_changed": float(np.mean(np.asarray(predictions) != y))})
 
 
 registry.register(SanitiseAdaptive())
