@@ -1,11 +1,13 @@
 """Split fine-tuning runs (lla.active.run): determinism, captures, fsha_decode replay."""
 
+import hashlib
 import json
 import pathlib
 
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from configs import active
 from lla.active import attack as fsha_attack
@@ -79,10 +81,19 @@ def test_a_run_replays_bit_for_bit(runs):
 @pytest.mark.slow
 def test_hijacked_capture_records_the_active_server(runs):
   _, tmp, out = runs
-  meta = store.load_capture(tmp / "a" / "captures" / "fsha_s10" / "step_8").metadata
+  directory = tmp / "a" / "captures" / "fsha_s10" / "step_8"
+  meta = store.load_capture(directory).metadata
   assert meta["protocol"]["V"] == {"position": "active_server",
                                    "rights": ["observe", "write_gradient"]}
-  assert meta["active"]["step"] == 8 and meta["active"]["decoder_sha256"]
+  assert meta["active"]["step"] == 8
+  # The recorded hash is that of the decoder file beside the capture, hashed here, and the
+  # file holds the decoder's arrays at the shapes of the model it decodes (V = 64, d = 16).
+  raw = (directory / meta["active"]["decoder_file"]).read_bytes()
+  assert meta["active"]["decoder_sha256"] == hashlib.sha256(raw).hexdigest()
+  decoder = load_file(str(directory / meta["active"]["decoder_file"]))
+  assert sorted(decoder) == sorted(fsha_attack.DECODER_KEYS)
+  assert decoder["emb"].shape == (V, 16) and decoder["bias"].shape == (V,)
+  assert decoder["off"].shape == decoder["scale"].shape == (16,)
   honest = store.load_capture(tmp / "a" / "captures" / "honest_s10" / "step_8").metadata
   assert honest["protocol"]["V"]["position"] == "passive_server"
   assert "decoder_sha256" not in honest["active"]
@@ -103,17 +114,40 @@ def test_fsha_decode_replays_bit_identical(runs):
         rundir.resolve(str(tmp / study), records[0].prediction_file)))
   assert np.array_equal(*predictions)
   assert regenerate.regenerate(str(tmp / "study1")) == []
-  # The predictions are the stored decoder applied to the stored activations.
-  capture = store.load_capture(capture_dir)
-  decoder, _ = fsha_attack.load_decoder(str(capture_dir))
-  expected = fsha.invert(*(decoder[k] for k in fsha_attack.DECODER_KEYS), capture.activations)
-  assert np.array_equal(predictions[0], np.asarray(expected))
+  # The predictions are the stored decoder applied to the stored activations, computed
+  # here in float64 numpy from the files: argmax_v tau <(h - off) / scale, emb[v]> + bias[v].
+  # Positions whose two best logits float32 could order either way are left out.
+  decoder = load_file(str(capture_dir / fsha_attack.DECODER_FILE))
+  h = store.load_capture(capture_dir).activations.astype(np.float64)
+  d = {k: decoder[k].astype(np.float64) for k in fsha_attack.DECODER_KEYS}
+  logits = d["tau"] * (((h - d["off"]) / d["scale"]) @ d["emb"].T) + d["bias"]
+  top2 = np.sort(logits, axis=-1)[..., -2:]
+  clear = top2[..., 1] - top2[..., 0] > 1e-4 * np.abs(top2[..., 1]).clip(1.0)
+  assert clear.mean() > 0.9, clear.mean()
+  assert np.array_equal(predictions[0][clear], np.argmax(logits, axis=-1)[clear])
   # An honest capture holds no decoder: the attack is recorded crashed, never as a result.
   rundir.create_study(str(tmp / "study3"), {"test": True})
   records = replay.replay(str(tmp / "study3"),
                           str(tmp / "a" / "captures" / "honest_s10" / "step_8"), attacker,
                           ["fsha_decode"], {}, 0)
   assert records[0].status == "crashed" and "no FSHA decoder" in records[0].error
+
+
+def test_invert_on_a_hand_built_decoder():
+  """fsha.invert on a decoder built by hand: orthogonal token directions of norm 2, h made
+  from them through the statistics' offset and scale, so <n(h), emb[v]> is 4 at the token
+  and 0 elsewhere; a bias of 5 on one token overrules that at tau = 1, not at tau = 2."""
+  vocab, width = 4, 4
+  emb = 2.0 * np.eye(vocab, width, dtype=np.float32)
+  off = np.array([1.0, -1.0, 0.5, 0.0], np.float32)
+  scale = np.array([2.0, 1.0, 4.0, 0.5], np.float32)
+  tokens = np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.int32)
+  h = emb[tokens] * scale + off  # [2, 4, d]: n(h) = emb[token]
+  zero = np.zeros(vocab, np.float32)
+  assert np.array_equal(fsha.invert(emb, 1.0, zero, off, scale, h), tokens)
+  bias = np.array([0.0, 0.0, 5.0, 0.0], np.float32)
+  assert np.array_equal(fsha.invert(emb, 1.0, bias, off, scale, h), np.full_like(tokens, 2))
+  assert np.array_equal(fsha.invert(emb, 2.0, bias, off, scale, h), tokens)
 
 
 def test_public_text_is_disjoint_from_the_clients_documents(data_dir):
