@@ -339,7 +339,9 @@ def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
 
 def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
   _, workdir, _ = finished
+  study = str(workdir / main_table.STUDY)
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
+  records = rundir.load_records(study)
   quality = card["qualification"]
   # The tiny job runs no declared test (config.qualification): unmeasured, never assumed.
   assert quality["activation"]["reference_consistency"]["status"] == "unmeasured"
@@ -363,8 +365,25 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
     statuses[label] = item["status"]
   assert sorted(statuses) == ["gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
                               "quantize_bits2", "topk_sparsity0.75"]
-  assert statuses["quantize_bits2"] == "pass" and statuses["mixup_m2"] == "partial"
-  assert adaptation["status"] == "partial"
+  # Each item's status from the study's own files: the refitted and the unaware attack's
+  # excess recomputed from their predictions and truth (`_pooled`, the rule above) on the
+  # gate's configuration; "pass" only where refitting is strictly above.
+  for item in adaptation["evidence"]:
+    label = item["detail"].split()[0]
+    gate = gates_by_label[label]
+    group = [r for r in records if r.status == "ok" and
+             all(getattr(r, f) == v for f, v in gate["config"].items())]
+    rows = _pooled(study, group)
+    aware, unaware = rows["activation_defense_aware"][0], rows["activation"][0]
+    assert gate["pooled"]["activation_defense_aware"]["excess_pp"] == pytest.approx(
+        aware, abs=1e-9), label
+    assert gate["pooled"]["activation"]["excess_pp"] == pytest.approx(unaware, abs=1e-9), label
+    if aware != unaware:  # (a tie's status is the qualification rule's, not this figure's)
+      assert item["status"] == ("pass" if aware > unaware else "partial"), (label, aware,
+                                                                          unaware)
+  # The cell's status is its worst item (fail < partial < unmeasured < pass).
+  assert adaptation["status"] == next(s for s in ("fail", "partial", "unmeasured", "pass")
+                                      if s in statuses.values())
   cells = {(c["family"], c["observation"]): c["status"] for c in card["coverage"]["cells"]
            if c["defense"] == "decoy_rows" and c["knowledge"] == "trained"}
   assert cells[("decoy_structural", "decoy_gradients")] == "covered"
