@@ -12,8 +12,10 @@ $LLA_ISOLATION_PROBE:
   paths         any string or bytes containing one of the listed paths (the capture, the
                 study, the defender's key store, the test's root) or "truth.safetensors"
 
-It walks every lla module's globals too (`module_globals`): module-level state is within
-any attack's reach.
+It walks every lla module's globals too (`module_globals`, with the binary's `__main__`
+and experiments' modules), and the command line (`command_line`: sys.argv and absl's
+flags, which name the capture and the run while the replay binary runs): module-level
+and process-wide state is within any attack's reach.
   secret        the defender's secret (the integer or its decimal string)
 
 `probe(obj, targets)` is the same walk, for the tests to run on the replay driver's own
@@ -31,6 +33,7 @@ import types
 
 import jax
 import numpy as np
+from absl import flags
 
 from lla.attacks import registry
 
@@ -184,9 +187,17 @@ class _Walk:
 
 
 def module_globals() -> dict[str, dict]:
-  """Module name -> a copy of its globals, for every imported lla module."""
+  """Module name -> a copy of its globals, for every imported lla and experiments module
+  and the program's __main__."""
   return {name: dict(vars(module)) for name, module in sorted(sys.modules.items())
-          if (name == "lla" or name.startswith("lla.")) and module is not None}
+          if module is not None and (name in ("lla", "experiments", "__main__") or
+                                     name.startswith(("lla.", "experiments.")))}
+
+
+def command_line() -> dict:
+  """The process's command line as code can read it: sys.argv and every absl flag (its
+  value, default, and for a config flag the ConfigDict and its overrides)."""
+  return {"sys.argv": sys.argv, "absl FLAGS": {n: flags.FLAGS[n] for n in flags.FLAGS}}
 
 
 def probe(obj, targets: Targets, bare_name: bool = True) -> dict:
@@ -209,7 +220,11 @@ class IsolationProbe:
     report = probe({"workspace": ws, "budget": budget, "key": key}, targets)
     # (lla's own constants name the truth file, "truth.safetensors": only the paths count.)
     report["found"] = sorted(report["found"] + probe(
-        {"lla module globals": module_globals()}, targets, bare_name=False)["found"])
+        {"lla module globals": module_globals(), "command line": command_line()}, targets,
+        bare_name=False)["found"])
+    # What the command line held, so that a test can tell the walk saw it.
+    report["argv_length"] = len(sys.argv)
+    report["flags"] = sorted(flags.FLAGS)
     # What the walk was given, so that a test can tell it walked the whole workspace.
     report["workspace_fields"] = sorted(f.name for f in dataclasses.fields(ws))
     report["capture_files"] = sorted(ws.capture_files)

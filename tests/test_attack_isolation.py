@@ -16,10 +16,14 @@ import pathlib
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from lla import defenses
+from lla.attacks import withheld
 from lla.capture import capture, store
 from lla.defenses import training as defended
 from lla.evidence import rundir
@@ -90,6 +94,10 @@ def test_probe_finds_nothing_through_the_attack_api(setup):
   assert record.status == "ok", record.error
   report = record.details
   assert report["found"] == []
+  # It walked the command line, which names the capture and the study (--config.capture_dir,
+  # --workdir) while the binary runs: withheld inside the attack's scope.
+  assert report["argv_length"] == len(cmd) - 2  # (python -m: the module stands for both)
+  assert {"config", "config.capture_dir", "workdir"} <= set(report["flags"])
   # It walked the whole workspace (every field, the messages and the model's arrays) ...
   assert {"activations", "gradients", "params", "calibration_tokens", "capture_files",
           "capture_info", "defense"} <= set(report["workspace_fields"])
@@ -139,3 +147,39 @@ def test_the_probe_finds_them_in_the_drivers_objects(setup):
       del hashlog.LEAKED_FOR_THE_TEST
     assert (f"path {str(study)!r} in api['lla.evidence.hashlog']['LEAKED_FOR_THE_TEST']"
             in found), found
+
+
+def test_the_command_line_is_withheld_inside_an_attacks_scope(setup, monkeypatch):
+  """sys.argv and absl's flags (a config flag's ConfigDict and its overrides, a string
+  flag) naming the capture and the study: the probe finds each outside an attack's scope,
+  nothing inside it, and every original object is back after it."""
+  root, cap, study, targets = setup
+  argv = ["replay", f"--config.capture_dir={cap}", f"--workdir={study}", "--lock_wait_s=0"]
+  monkeypatch.setattr(sys, "argv", list(argv))
+  config = ml_collections.ConfigDict({"capture_dir": str(cap), "attacks": ("activation",),
+                                      "nested": {"paths": [str(cap), "kept"]}})
+  config_flags.DEFINE_config_dict("isolation_test_config", config)
+  flags.DEFINE_string("isolation_test_workdir", str(study), "the study")
+  try:
+    found = isolation_probe.probe(isolation_probe.command_line(), targets,
+                                  bare_name=False)["found"]
+    assert any("['sys.argv'][1]" in f and str(cap) in f for f in found), found
+    assert any("['sys.argv'][2]" in f and str(study) in f for f in found), found
+    assert any("['isolation_test_config']" in f and str(cap) in f for f in found), found
+    assert any("['isolation_test_workdir']" in f and str(study) in f for f in found), found
+    params, cfg = hf_io.load_hf_dir(root / "hf")
+    attacker = replay.Attacker(params, cfg, "tiny", np.load(root / "cal.npy"), "public",
+                               {"hf_dir": str(root / "hf")})
+    ws = replay.prepare(str(cap), attacker, ["activation"], {}, 0).workspace(1 << 26, None)
+    with ws.attack_scope("probe"):
+      assert isolation_probe.probe(isolation_probe.command_line(), targets,
+                                   bare_name=False)["found"] == []
+      assert sys.argv[1:3] == [withheld.WITHHELD] * 2 and sys.argv[3] == "--lock_wait_s=0"
+      assert config.attacks == ("activation",) and config.nested.paths[1] == "kept"
+    assert sys.argv == argv
+    assert flags.FLAGS["isolation_test_config"].value is config
+    assert config.capture_dir == str(cap) and config.nested.paths == [str(cap), "kept"]
+    assert flags.FLAGS["isolation_test_workdir"].value == str(study)
+  finally:
+    delattr(flags.FLAGS, "isolation_test_config")
+    delattr(flags.FLAGS, "isolation_test_workdir")

@@ -38,6 +38,7 @@ from lla import runtime
 from lla.attacks import candidates as cand_lib
 from lla.attacks import memory
 from lla.attacks import ridge
+from lla.attacks import withheld
 from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
@@ -418,10 +419,12 @@ class Workspace:
 
   @contextlib.contextmanager
   def attack_scope(self, name: str):
-    """Meters one attack; `charge()` inside the scope gives its cost so far."""
+    """Meters one attack; `charge()` inside the scope gives its cost so far. The process's
+    command line names no path inside it (lla.attacks.withheld)."""
     self._scopes, self._used, self._attack = [Tally()], set(), name
     try:
-      yield self
+      with withheld.paths_withheld():
+        yield self
     finally:
       self._attack = ""
 
