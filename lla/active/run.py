@@ -15,7 +15,8 @@ Layout of `workdir`:
                             with the server's reply (and, hijacked, its decoder)
     thresholds.json         detector thresholds from the calibration seeds, hashed, written
                             before any judged run
-    study/                  replay records (unless the caller names its own study)
+    study/                  replay records, scored and sealed (unless the caller names
+                            its own study)
     summary.json            recovery, task loss and detection, pooled over seeds
 
 Every finished run, capture and replay is reused when the experiment is run again on the
@@ -546,13 +547,39 @@ def summarise(setup: Setup, calibration: dict, judged: list[dict], study: pathli
 def run(config: ml_collections.ConfigDict, workdir: str, study: str | None = None) -> dict:
   """The whole experiment; returns (and writes) summary.json.
 
+  Its own study (workdir/study) is held under its lock from the first check to its seal,
+  scored and sealed (lla.evidence.rundir.finalize) as the main job's studies are: a second
+  run on the same workdir is refused (rundir.RunLockedError) before anything is trained, and
+  a run on a finished study verifies it and summarises its records again, writing nothing
+  into it.
+
   Args:
     config: configs/active.py.
     workdir: its directory (resumable).
     study: a study directory (lla.evidence.rundir) to replay into, e.g. the main job's;
-      default workdir/study.
+      default workdir/study. A caller's study is locked, scored and sealed by the caller.
+
+  Raises:
+    rundir.RunLockedError: another process is writing workdir/study.
+    ActiveInputError: a finished study that fails verification, or inputs that do not fit.
   """
   workdir = pathlib.Path(workdir)
+  if study is not None:
+    return _run(config, workdir, pathlib.Path(study), own_study=False)
+  own = workdir / "study"
+  with rundir.locked(str(own), what="experiments.active_server"):
+    return _run(config, workdir, own, own_study=True)
+
+
+def _run(config, workdir: pathlib.Path, study_dir: pathlib.Path, own_study: bool) -> dict:
+  finished = own_study and rundir.started(str(study_dir)) and rundir.log(str(study_dir)).sealed
+  if finished:
+    # A crash between the seal and the manifest left the manifest to write.
+    rundir.finalize(str(study_dir))
+    problems = rundir.verify(str(study_dir))
+    if problems:
+      raise ActiveInputError(f"{study_dir}: finished study fails verification: "
+                             + "; ".join(problems))
   workdir.mkdir(parents=True, exist_ok=True)
   setup = make_setup(config, workdir)
   fixed = thresholds(setup, workdir)
@@ -562,17 +589,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, study: str | None = Non
     judged.append(simulate(setup, "honest", 0.0, int(seed), workdir, steps))
     for kind, beta in config.attacks:
       judged.append(simulate(setup, kind, float(beta), int(seed), workdir, steps))
-  study_dir = pathlib.Path(study) if study else workdir / "study"
-  if not rundir.started(str(study_dir)):  # a create interrupted before its log entry: redone
-    rundir.create_study(str(study_dir), {"config": config.to_dict(), "kind": "active_server"})
-  for result in judged:
-    replay_run(setup, result, workdir, study_dir)
-  if study is None:
-    # Its own study is scored here (a caller's study is scored by the caller), with the
-    # modules its threat space records.
-    from lla.scoring import scorecard  # pylint: disable=g-import-not-at-top
-    replay.record_threat_space(str(study_dir))
-    scorecard.score_run(str(study_dir), config.scoring, overwrite=True)
+  if not finished:
+    if not rundir.started(str(study_dir)):  # a create interrupted before its log entry: redone
+      rundir.create_study(str(study_dir), {"config": config.to_dict(), "kind": "active_server"})
+    for result in judged:
+      replay_run(setup, result, workdir, study_dir)
+    if own_study:
+      # Scored with the modules its threat space records, then sealed.
+      from lla.scoring import scorecard  # pylint: disable=g-import-not-at-top
+      replay.record_threat_space(str(study_dir))
+      scorecard.score_run(str(study_dir), config.scoring, overwrite=True)
+      rundir.finalize(str(study_dir))
   summary = summarise(setup, fixed, judged, study_dir)
   if config.decoy_probe.enabled:
     from lla.active import decoy_probe  # pylint: disable=g-import-not-at-top
