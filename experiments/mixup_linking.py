@@ -7,7 +7,8 @@ secrets, then `mixup_adaptive` with the attacker holding the same weights ("publ
 knowledge). Per secret it prints the rows it unmixed (linked across rows by their first
 tokens), the first tokens several documents share, and the token recovery against each
 row's own document and against its heaviest partner (the most attribution can give
-without the secret partners).
+without the secret partners), and per document (lla.scoring.per_document: each document
+against the attack's claim paired with it).
 
   LLA_DATA_DIR=../shared/data python -m experiments.mixup_linking \
       --config=configs/main_table.py:cpu_smollm2 --docs=48 --secrets=0 --secrets=1 --secrets=2 \
@@ -27,6 +28,7 @@ from experiments import cli
 from lla import data, defenses, runtime
 from lla.attacks import registry
 from lla.attacks.workspace import Workspace
+from lla.scoring import per_document
 from lla.model import gguf_io, split
 from lla.model import loading
 
@@ -84,13 +86,20 @@ def main(argv):
     own = float(np.mean(result.predictions[:, scored] == tokens[:, scored]))
     heaviest = float(np.mean(result.predictions[:, scored] ==
                              tokens[np.concatenate(owners)][:, scored]))
+    counts = per_document.count(result.details, tokens, 0,
+                                "after_bos" if splits.known_prefix else "all", "mixup_adaptive")
+    by_document = counts.hits / counts.n
     # Revision 1 did not record the splits decided by decoding.
     details = {k: result.details.get(k) for k in (
         "rows_unmixed", "ambiguous_first_tokens", "splits_decided_by_decoding")}
     runs.append({"secret": seed, "own_document": own, "heaviest_partner": heaviest,
+                 "per_document": by_document,
+                 "exact_documents_per_document": counts.docs_exact / counts.docs,
                  "wall_s": wall, **details})
     print(f"secret {seed}: {details}; tokens of the row's own document {100 * own:.2f}%, "
-          f"of its heaviest partner {100 * heaviest:.2f}%; {wall:.0f} s")
+          f"of its heaviest partner {100 * heaviest:.2f}%, per document "
+          f"{100 * by_document:.2f}% ({counts.docs_exact} of {counts.docs} documents "
+          f"exact); {wall:.0f} s")
   if _OUT_JSON.value:
     with open(_OUT_JSON.value, "w") as f:
       json.dump({"revision": registry.get("mixup_adaptive").spec.revision, "docs": len(tokens),

@@ -93,18 +93,25 @@ def fake_repo(tmp_path):
   return root
 
 
-def lla_source_sha() -> str:
-  """The lla package's source hash, written out here: every .py file under lla/."""
-  package = pathlib.Path(lla.__file__).resolve().parent
-  lines = sorted(f"{p.relative_to(package).as_posix()} "
-                 f"{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in package.rglob("*.py"))
-  return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+def test_the_source_hash_covers_every_python_file_of_the_package(tmp_path):
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "a.py").write_text("x = 1\n")
+  (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+  (tmp_path / "notes.txt").write_text("not source")
+  sha = lambda text: hashlib.sha256(text.encode()).hexdigest()
+  expected = sha(f"a.py {sha('x = 1' + chr(10))}\nsub/b.py {sha('y = 2' + chr(10))}")
+  assert pytest_outcomes.lla_source_sha256(tmp_path) == expected
+  (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+  assert pytest_outcomes.lla_source_sha256(tmp_path) != expected
 
 
-def claim_sha(test_id, outcome, file_bytes, report: str, commit: str, dirty: bool) -> str:
-  """The recorded claim's hash, written out here (lla.study.pytest_outcomes)."""
+def claim_sha(test_id, outcome, file_bytes, report: str, commit: str, dirty: bool,
+              source: str) -> str:
+  """The recorded claim's hash, written out here (lla.study.pytest_outcomes); `source`:
+  the lla source hash the document names (other engineers' edits may change lla/ while a
+  test runs, so it is not recomputed here)."""
   claim = {"test": test_id, "outcome": outcome, "lla_version": lla.__version__,
-           "git_commit": commit, "git_dirty": dirty, "lla_source_sha256": lla_source_sha(),
+           "git_commit": commit, "git_dirty": dirty, "lla_source_sha256": source,
            "test_file_sha256": hashlib.sha256(file_bytes).hexdigest(),
            "report_sha256": hashlib.sha256(report.encode()).hexdigest()}
   return hashlib.sha256(json.dumps(claim, sort_keys=True, separators=(",", ":"))
@@ -136,9 +143,9 @@ def test_the_study_runs_the_checks_and_each_cell_is_its_outcome(fake_repo, tmp_p
   file_bytes = (fake_repo / FILE).read_bytes()
   commit = git(fake_repo, "rev-parse", "HEAD")
   assert (document["git_commit"], document["git_dirty"]) == (commit, False)
-  assert document["lla_source_sha256"] == lla_source_sha()
   assert document["test_files"] == {FILE: FAKE}  # kept, so the hashes recompute from it
-  claim = claim_sha(PASSES, "passed", file_bytes, "", commit, False)
+  claim = claim_sha(PASSES, "passed", file_bytes, "", commit, False,
+                    document["lla_source_sha256"])
   assert tests[PASSES]["outcome_sha256"] == claim
   assert "wrong on purpose" not in json.dumps(tests)  # the report is hashed, not stored
   study = str(tmp_path_factory.mktemp("study") / "study")
@@ -215,7 +222,7 @@ def test_a_dirty_checkout_passes_nothing_and_no_commit_matches_nothing(fake_repo
   commit = git(fake_repo, "rev-parse", "HEAD")
   assert document["git_dirty"] is True
   assert document["tests"][PASSES]["outcome_sha256"] == claim_sha(
-      PASSES, "passed", FAKE.encode(), "", commit, True)
+      PASSES, "passed", FAKE.encode(), "", commit, True, document["lla_source_sha256"])
   items = by_check(qualification.from_checks(
       MODULES, qualification.check_outcomes(document, fake_repo)))
   assert items[("good", PASSES)]["status"] == "partial"  # passed, but not at a commit

@@ -48,11 +48,14 @@ def outcome_sha256(test_id: str, result: dict, identity: dict) -> str:
                         .encode()).hexdigest()
 
 
-def lla_source_sha256() -> str:
-  """sha256 of the lines "<path under lla/> <sha256 of the file>" of every .py file of the
-  imported lla package, sorted: the code the tests ran against, with or without git."""
-  import lla  # pylint: disable=g-import-not-at-top
-  package = pathlib.Path(lla.__file__).resolve().parent
+def lla_source_sha256(package: str | os.PathLike | None = None) -> str:
+  """sha256 of the lines "<path under the package> <sha256 of the file>" of every .py file
+  of `package` (default: the imported lla package), sorted: the code the tests ran
+  against, with or without git."""
+  if package is None:
+    import lla  # pylint: disable=g-import-not-at-top
+    package = pathlib.Path(lla.__file__).resolve().parent
+  package = pathlib.Path(package)
   lines = sorted(f"{p.relative_to(package).as_posix()} "
                  f"{hashlib.sha256(p.read_bytes()).hexdigest()}"
                  for p in package.rglob("*.py"))
