@@ -378,7 +378,7 @@ BUILTIN_MODULES = (
     "lla.attacks.published.eia", "lla.attacks.published.gradmatch", "lla.attacks.published.lamp",
     "lla.attacks.adaptive.projection_adaptive", "lla.attacks.adaptive.mixup_adaptive",
     "lla.attacks.adaptive.likelihood_beam", "lla.attacks.adaptive.nopeek_adaptive",
-    "lla.attacks.adaptive.mid_adaptive",
+    "lla.attacks.adaptive.mid_adaptive", "lla.attacks.adaptive.adversarial_adaptive",
     "lla.attacks.adaptive.sanitise_adaptive",
     "lla.decoy.modules", "lla.active.attack")
 

@@ -7,6 +7,7 @@ builds one from its public parameters, `Secret.draw()` draws the defender's secr
 
 from lla.defenses.activations import (GaussianNoise, Quantize, SecretMixup, SecretProjection,
                                       TopK, clip_rows, quantize_rows, random_projection)
+from lla.defenses.adversarial import Adversarial
 from lla.defenses.base import (Defense, DefenseError, Secret, SecretKeys, apply, declared, get,
                                make, names, seed_hash, step_keys)
 from lla.defenses.dp_forward import DPForward, analytic_gaussian_sigma

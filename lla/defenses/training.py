@@ -9,6 +9,8 @@ Per defense kind, what crosses the cut and what the client minimises:
   * "embeddings" (`dx_privacy`): the client's blocks run on the defended input embeddings
     (`defended_client`); h is what they compute, and the loss the server's CE on it;
   * "training" (`nopeek`): messages are untouched; the client adds alpha * dCor(wte[x], h);
+  * "training" (`adversarial`): messages are untouched; the client adds the loss of an
+    inverter it trains at once, through a gradient reversal (`Adversarial.penalty`);
   * `mid` (acts on "activations" with trained weights of its own, in params["mid"]): the
     server sees the bottleneck's sample h' (`forward_message`); the client adds lambda * KL.
 `defense` (public parameters only, a frozen dataclass) is a static argument; the secret
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lla.defenses.activations import SecretMixup
+from lla.defenses.adversarial import Adversarial
 from lla.defenses.base import Defense, DefenseError, Secret, SecretKeys, apply, step_keys
 from lla.defenses.gradients import guard_gradient
 from lla.defenses.mid import Mid
@@ -103,6 +106,8 @@ def defended_loss(model_params, cfg: GPT2Config, tokens: jax.Array, k: int,
     loss = loss + defense.penalty(split.wte(model_params)[tokens], h)
   if not defense.off and isinstance(defense, Mid):
     loss = loss + defense.penalty(model_params, h)
+  if not defense.off and isinstance(defense, Adversarial):
+    loss = loss + defense.penalty(model_params, tokens, h)
   return loss
 
 
