@@ -226,6 +226,7 @@ def test_finetune_keeps_the_weights_beside_the_checkpoint(base, tmp_path):
   assert made.metadata["defense_weights_sha256"] == mid.weights_sha256(made.params["mid"])
 
 
+@pytest.mark.slow
 def test_mid_adaptive():
   """On a MID capture (b = 24 < d = 32, victim weights at their secret initialisation, a tiny
   random GPT-2 without a language prior), the subspace the attack reads from the messages is
