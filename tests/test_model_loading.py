@@ -285,6 +285,47 @@ def test_finetune_takes_the_hf_dir_over_the_presets_checkpoint(tmp_path):
   base = tuned.metadata["base"]
   assert base["source"] == f"hf:{tmp_path / 'theirs'}"
   assert base["model"]["params_sha256"] == checkpoint.params_sha256(theirs) != preset.sha256
+  # A GPT-2 directory without a tokenizer is GPT-2's: the copy records it.
+  assert tuned.metadata["tokenizer"] == {"kind": checkpoint.GPT2_TOKENS}
+
+
+def test_a_checkpoint_is_cut_with_the_tokenizer_it_records(tmp_path):
+  """GPT-2's tokenizer where an lla checkpoint records it (trained here on GPT-2's tokens)
+  or has GPT-2's vocabulary (made before lla recorded it); any other checkpoint that records
+  no tokenizer (e.g. fine-tuned from a base with its own, before lla kept it) is refused in
+  one line where its text must be cut, and is another model than the recorded one."""
+  small = GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=2, n_head=2)
+  params = init_params(small, jax.random.key(0))
+  trained = checkpoint.save(tmp_path / "trained", params, small, export_hf=False,
+                            tokenizer=checkpoint.GPT2_TOKENS)
+  metadata = json.loads((trained.path / checkpoint.METADATA_FILE).read_text())
+  assert metadata["tokenizer"] == {"kind": "gpt2"}
+  assert not (trained.path / checkpoint.TOKENIZER_FILE).exists()
+  recorded = loading.load_model({"checkpoint": str(trained.path)})
+  assert recorded.tokenizer_kind == loading.GPT2_TOKENIZER
+  assert recorded.text_tokenizer("--config.data.tokens_npy") is None  # GPT-2's
+  assert recorded.recorded_tokenizer == checkpoint.GPT2_TOKENS  # what a copy records
+  bare = checkpoint.save(tmp_path / "bare", params, small, export_hf=False)
+  assert "tokenizer" not in json.loads((bare.path / checkpoint.METADATA_FILE).read_text())
+  unknown = loading.load_model({"checkpoint": str(bare.path)})
+  assert unknown.tokenizer_kind == loading.NO_TOKENIZER and unknown.recorded_tokenizer is None
+  with pytest.raises(loading.TokenizerPolicyError) as refused:
+    unknown.text_tokenizer("--config.data.tokens_npy")
+  message = str(refused.value)
+  assert "\n" not in message and message.startswith(f"lla:{bare.path}: ")
+  assert "vocabulary of 64" in message and "records no tokenizer" in message
+  assert "--config.data.tokens_npy" in message
+  assert unknown.model_id != recorded.model_id  # same weights, cut otherwise
+  # GPT-2's vocabulary: a checkpoint that records nothing keeps GPT-2's, and its model id.
+  gpt2 = GPT2Config(vocab_size=50257, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+  params = init_params(gpt2, jax.random.key(1))
+  old = loading.load_model({"checkpoint": str(
+      checkpoint.save(tmp_path / "old", params, gpt2, export_hf=False).path)})
+  new = loading.load_model({"checkpoint": str(checkpoint.save(
+      tmp_path / "new", params, gpt2, export_hf=False, tokenizer=checkpoint.GPT2_TOKENS).path)})
+  assert old.tokenizer_kind == new.tokenizer_kind == loading.GPT2_TOKENIZER
+  assert old.text_tokenizer("--config.data.tokens_npy") is None
+  assert old.model_id == new.model_id
 
 
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):

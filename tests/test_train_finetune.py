@@ -58,6 +58,11 @@ def test_seeds_reproducible_and_distinct(tmp_path, base):
   manifest = json.loads((tmp_path / "a" / finetune.MANIFEST_FILE).read_text())
   assert [m["params_sha256"] for m in manifest] == [c.sha256 for c in first]
   assert first[0].metadata["knowledge"] == "public"
+  # The base is cut by GPT-2's tokenizer: each copy records it, so that it is cut as its
+  # base whatever its vocabulary (here 128, which alone would not say GPT-2's).
+  assert all(c.metadata["tokenizer"] == {"kind": ckpt.GPT2_TOKENS} for c in first)
+  assert all(loading.load_model({"checkpoint": str(c.path)}).tokenizer_kind
+             == loading.GPT2_TOKENIZER for c in first)
 
 
 @pytest.mark.parametrize("train_client_layers", [False, True])
@@ -87,6 +92,9 @@ def test_pretrain_cached_and_config_checked(tmp_path, monkeypatch):
   windows = _splits().calibration.tokens
   first = pretrain.pretrain(config, tmp_path, windows, windows)
   assert first.metadata["valid"]["perplexity"] > 1
+  # Trained on GPT-2's tokens (the data directory's tokenizer): recorded, no tokenizer file.
+  assert first.metadata["tokenizer"] == {"kind": ckpt.GPT2_TOKENS}
+  assert not (first.path / ckpt.TOKENIZER_FILE).exists()
   monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("retrained a cached model"))
   assert pretrain.pretrain(config, tmp_path, windows, windows).sha256 == first.sha256
   config.seed = 1

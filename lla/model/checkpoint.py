@@ -13,8 +13,12 @@ The model's identity is `params_sha256`: sha256 over every leaf in sorted path o
 dtype, shape, little-endian bytes), so it does not depend on how the params were produced or
 stored (the model id adds its architecture and tokenizer: lla.model.loading). A model
 fine-tuned from one that brought its own tokenizer (a Qwen3 directory's) keeps it:
-`tokenizer.json` and metadata "tokenizer" {"sha256", "bos_id", "source"}; a checkpoint without
-one was pre-trained here, on GPT-2's. A checkpoint is written complete under a sibling `DIR.partial-*` and renamed into place
+`tokenizer.json` and metadata "tokenizer" {"sha256", "bos_id", "source"}. A model lla
+pre-trains, or fine-tunes from one cut by GPT-2's tokenizer, records that: metadata
+"tokenizer" {"kind": "gpt2"} (`GPT2_TOKENS`: the data directory's GPT-2 tokenizer). A
+checkpoint recording neither (written before lla recorded it, or by a caller that knows no
+tokenizer) is GPT-2's only with GPT-2's vocabulary (lla.model.loading). A checkpoint is
+written complete under a sibling `DIR.partial-*` and renamed into place
 in one step, so `DIR` either does not exist or holds every file; `restore` still re-hashes the
 params (and the HF weights) and refuses a directory whose hash disagrees, e.g. one copied or
 edited by hand. `Resident` holds the params of a few restored checkpoints at a time, for a
@@ -57,6 +61,11 @@ _QUARANTINED = ".quarantined-"
 QUARANTINE_NOTE = "QUARANTINE.txt"
 
 
+# `save(tokenizer=GPT2_TOKENS)`: trained here on text cut by the data directory's GPT-2
+# tokenizer; recorded as metadata "tokenizer" {"kind": "gpt2"}.
+GPT2_TOKENS = "gpt2"
+
+
 class CheckpointError(ValueError):
   """A checkpoint directory that is missing, incomplete or fails its hash."""
 
@@ -69,11 +78,16 @@ class Checkpoint:
   params: dict
   cfg: GPT2Config
   metadata: dict
-  tokenizer: tokenizer_lib.Tokenizer | None = None  # the model's own; None: GPT-2's
+  tokenizer: tokenizer_lib.Tokenizer | None = None  # the model's own; else None
 
   @property
   def sha256(self) -> str:
     return self.metadata["params_sha256"]
+
+  @property
+  def gpt2_tokens(self) -> bool:
+    """Whether it records being trained here on the data directory's GPT-2 tokens."""
+    return (self.metadata.get("tokenizer") or {}).get("kind") == GPT2_TOKENS
 
   @property
   def hf_dir(self) -> pathlib.Path | None:
@@ -124,7 +138,7 @@ def _checkpointer() -> ocp.StandardCheckpointer:
 
 def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict | None = None,
          export_hf: bool = True,
-         tokenizer: tokenizer_lib.Tokenizer | None = None) -> Checkpoint:
+         tokenizer: tokenizer_lib.Tokenizer | str | None = None) -> Checkpoint:
   """Writes a checkpoint atomically to `directory` (which must not exist yet).
 
   Args:
@@ -133,7 +147,8 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
     cfg: its config.
     metadata: JSON-serialisable extra fields (run config, data hashes, eval results).
     export_hf: also write `hf/`, a `save_pretrained` directory.
-    tokenizer: the model's own tokenizer (None: GPT-2's, the data directory's).
+    tokenizer: the model's own tokenizer; GPT2_TOKENS for a model trained here on the data
+      directory's GPT-2 tokens; None: none recorded.
 
   Returns:
     The checkpoint, with `params_sha256` in its metadata.
@@ -151,7 +166,9 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
   with _checkpointer() as checkpointer:
     checkpointer.save(partial / PARAMS_DIR, params)
   (partial / CONFIG_FILE).write_text(json.dumps(config_to_json(cfg), indent=2, sort_keys=True) + "\n")
-  if tokenizer is not None:
+  if tokenizer == GPT2_TOKENS:
+    full_metadata["tokenizer"] = {"kind": GPT2_TOKENS}
+  elif tokenizer is not None:
     (partial / TOKENIZER_FILE).write_text(tokenizer_lib.definition(tokenizer))
     full_metadata["tokenizer"] = {"sha256": tokenizer.sha256, "bos_id": tokenizer.bos_id,
                                   "source": tokenizer.source}
@@ -161,12 +178,13 @@ def save(directory: str | os.PathLike, params, cfg: GPT2Config, metadata: dict |
   (partial / METADATA_FILE).write_text(json.dumps(full_metadata, indent=2, sort_keys=True) + "\n")
   os.rename(partial, directory)
   logging.info("saved checkpoint %s (params sha256 %s)", directory, full_metadata["params_sha256"])
-  return Checkpoint(directory, params, cfg, full_metadata, tokenizer)
+  return Checkpoint(directory, params, cfg, full_metadata,
+                    None if tokenizer == GPT2_TOKENS else tokenizer)
 
 
 def _restore_tokenizer(directory: pathlib.Path, metadata: dict) -> tokenizer_lib.Tokenizer | None:
   recorded = metadata.get("tokenizer")
-  if not recorded:
+  if not recorded or recorded.get("kind") == GPT2_TOKENS:
     return None
   path = directory / TOKENIZER_FILE
   try:
@@ -267,7 +285,8 @@ def quarantine(directory: str | os.PathLike, reason: str) -> pathlib.Path:
 def load_or_create(directory: str | os.PathLike,
                    create: Callable[[], tuple[Any, GPT2Config, dict]],
                    export_hf: bool = True,
-                   tokenizer: tokenizer_lib.Tokenizer | None = None) -> tuple[Checkpoint, bool]:
+                   tokenizer: tokenizer_lib.Tokenizer | str | None = None
+                   ) -> tuple[Checkpoint, bool]:
   """Returns (checkpoint, created): the valid checkpoint at `directory`, else `create()`'s.
 
   `create` returns (params, cfg, metadata) and runs only when no valid checkpoint exists. A

@@ -11,10 +11,12 @@ its architecture is not the configured one (`check_architecture`: a wrong path).
 The tokenizer is the model's own: a GGUF file's; a directory's `tokenizer.json` with the BOS
 policy of its `tokenizer_config.json`, and a hub model's likewise (its snapshot holds both
 files where the repository has them); the one an lla checkpoint records (fine-tuned from a
-model that brought one). A GPT-2 checkpoint without one, and every model lla pre-trains, is
-cut by the data directory's GPT-2 tokenizer (`tokenizer` None, `tokenizer_kind` "gpt2"): that
-is its own. Any other model without one cannot cut text (`text_tokenizer` refuses in one line,
-naming the token files that do instead).
+model that brought one). A model lla pre-trains or fine-tunes from GPT-2's records GPT-2's
+(lla.model.checkpoint.GPT2_TOKENS), and a GPT-2 directory, or an lla checkpoint of GPT-2's
+vocabulary (GPT2_VOCAB_SIZE) that records no tokenizer, has GPT-2's: they are cut by the
+data directory's GPT-2 tokenizer (`tokenizer` None, `tokenizer_kind` "gpt2"). Any other
+model without one cannot cut text (`text_tokenizer` refuses in one line, naming the token
+files that do instead).
 
 The model id (`model_id`) is the identity of the function, docs/run_format.md "Model id":
 the params' sha256 combined with `architecture_sha256` (every decoder config field but the
@@ -54,6 +56,7 @@ _EMPTY_HASH = (
     GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
 )
 GPT2_TOKENIZER = "gpt2"  # tokenizer_kind: the data directory's GPT-2 tokenizer
+GPT2_VOCAB_SIZE = 50257  # GPT-2's tokenizer's vocabulary
 OWN_TOKENIZER = "own"    # the model's own (`LoadedModel.tokenizer`)
 NO_TOKENIZER = "none"    # none: only token files can feed it
 
@@ -88,6 +91,14 @@ class LoadedModel:
   def params_sha256(self) -> str:
     return self.info["params_sha256"]
 
+  @property
+  def recorded_tokenizer(self) -> tokenizer_lib.Tokenizer | str | None:
+    """What a checkpoint trained from this model records as its tokenizer
+    (lla.model.checkpoint.save): its own, GPT-2's, or none."""
+    if self.tokenizer is not None:
+      return self.tokenizer
+    return checkpoint.GPT2_TOKENS if self.tokenizer_kind == GPT2_TOKENIZER else None
+
   def text_tokenizer(self, token_files: str) -> tokenizer_lib.Tokenizer | None:
     """The tokenizer that cuts text for this model (None: the data directory's GPT-2).
 
@@ -95,6 +106,12 @@ class LoadedModel:
       TokenizerPolicyError: the model has no tokenizer; `token_files` names the flags that
         give its documents as token ids instead.
     """
+    if self.tokenizer_kind == NO_TOKENIZER and self.info.get("format") == "lla-checkpoint":
+      raise TokenizerPolicyError(
+          f"{self.source}: an lla checkpoint with a vocabulary of {self.cfg.vocab_size} (not "
+          f"GPT-2's {GPT2_VOCAB_SIZE}) that records no tokenizer: lla does not cut its text "
+          "with GPT-2's; fine-tune it again from its base (which records the base's "
+          f"tokenizer), or give its documents as {token_files}")
     if self.tokenizer_kind == NO_TOKENIZER:
       raise TokenizerPolicyError(
           f"{self.source}: a {self.cfg.family} model without its tokenizer (no "
@@ -261,9 +278,13 @@ def load_model(model: ml_collections.ConfigDict | dict,
   elif model.get("checkpoint"):
     restored = checkpoint.restore(model.checkpoint)
     params, cfg, source = restored.params, restored.cfg, f"lla:{restored.path}"
-    # A checkpoint records the tokenizer of the model it was fine-tuned from; one that
-    # records none was pre-trained here, on the data directory's GPT-2 tokenizer.
+    # A checkpoint records the tokenizer of the model it was fine-tuned from, or GPT-2's
+    # when lla trained it on GPT-2's tokens; one that records none (written before lla
+    # recorded it) is GPT-2's only with GPT-2's vocabulary: a model fine-tuned here from a
+    # base with a tokenizer of its own is never cut with GPT-2's.
     tokenizer = restored.tokenizer
+    if tokenizer is None and not restored.gpt2_tokens and cfg.vocab_size != GPT2_VOCAB_SIZE:
+      kind = NO_TOKENIZER
     if check_architecture:
       cfg = _check_architecture(model, cfg, source)
     info = {"format": "lla-checkpoint",

@@ -84,8 +84,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     workdir: run directory; seed s goes to `workdir/seed_{s}`.
     splits: overrides `load_splits(**config.data)` (tests).
     base: the base model (`lla.model.loading.LoadedModel`; the main job's, tests'), else
-      `loading.load_model(config.model)` with its architecture checked. A tokenizer it brings
-      is saved in every fine-tuned checkpoint: the copy is cut, and identified, as the base.
+      `loading.load_model(config.model)` with its architecture checked. Its tokenizer (one it
+      brings, or GPT-2's) is recorded in every fine-tuned checkpoint: the copy is cut, and
+      identified, as the base.
     defense: an `lla.defenses` defense kept in the loop while fine-tuning (its mechanism
       on h, mixed labels, clipped gradients or the NoPeek term); recorded by its public
       description only.
@@ -157,7 +158,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
       return model, cfg, metadata
 
     checkpoint, _ = ckpt.load_or_create(seed_dir(workdir, seed), create, export_hf=config.export_hf,
-                                        tokenizer=base.tokenizer)
+                                        tokenizer=base.recorded_tokenizer)
     differ = _differences(checkpoint.metadata.get("run_config"), run_config, "run_config")
     if checkpoint.metadata["base"]["params_sha256"] != provenance["params_sha256"]:
       differ.append("base.params_sha256")

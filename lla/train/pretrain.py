@@ -114,7 +114,10 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     }
     return result.params, cfg, metadata
 
-  checkpoint, _ = ckpt.load_or_create(directory, create, export_hf=config.export_hf)
+  # Trained on the data directory's GPT-2 tokens: recorded, so that the model and every copy
+  # fine-tuned from it are cut with GPT-2's tokenizer whatever their vocabulary.
+  checkpoint, _ = ckpt.load_or_create(directory, create, export_hf=config.export_hf,
+                                      tokenizer=ckpt.GPT2_TOKENS)
   if checkpoint.metadata.get("run_config") != run_config:
     raise ValueError(f"{directory} was made with a different config; use another --workdir "
                      "or delete it")
