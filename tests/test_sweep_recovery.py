@@ -10,6 +10,8 @@ predictions, byte for byte) and leave a study that verifies; a cell file the log
 hold is never taken for a finished cell.
 """
 
+import fcntl
+import json
 import os
 import pathlib
 import shutil
@@ -166,3 +168,23 @@ def test_the_sweep_binary_refuses_a_changed_result_in_one_line(inputs, tmp_path)
   (line,) = proc.stderr.strip().splitlines()
   assert line.startswith(f"error: {changed}: missing or changed since"), line
   assert (workdir / "study" / rundir.LOG).read_bytes() == before
+
+
+def test_a_sweep_on_a_locked_study_is_refused_before_it_writes(tmp_path):
+  """Another writer holds the study's lock (an flock on STUDY/.lock, taken here by hand as
+  another process's would be): the sweep is refused naming it before its first check of
+  the study, so nothing is written (no log, no threat space, no cells)."""
+  workdir = tmp_path / "sweep"
+  study = workdir / "study"
+  study.mkdir(parents=True)
+  fd = os.open(study / rundir.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, json.dumps({"pid": 1, "host": "elsewhere", "since": "then",
+                              "what": "another sweep"}).encode(), 0)
+    with pytest.raises(rundir.RunLockedError,
+                       match=r"another writer holds .*pid 1 on elsewhere.*another sweep"):
+      driver.run(_config(tmp_path), str(workdir))
+    assert sorted(p.name for p in study.iterdir()) == [rundir.LOCK]
+  finally:
+    os.close(fd)
