@@ -41,6 +41,30 @@ from lla import data
 from lla.attacks import registry
 
 
+# dx_privacy's epsilons: d_chi noise on the input embeddings has E||z|| = d / epsilon, so
+# epsilon = d / (c * r) puts the noise at c times the median row norm r of the base's input
+# table; c ~ 3 (strong), 1 (paper only) and ~ 0.3 (weak). Measured: tiny (d = 32, 20
+# pre-training steps) r = 0.182. NOT measured (the embedded base's pre-training was killed
+# for memory on the shared 2-core host; GPT-2 124M's weights are not on it): cpu (d = 128)
+# assumes r ~ 1 (a 4-layer d = 32 GPT-2 pre-trained 300 steps at lr 3e-3 reads 0.89 over the
+# tokens of its evaluation documents, from 0.11 at init), paper (d = 768) r ~ 3.5. Check
+# both with np.median(np.linalg.norm(lla.model.split.input_table(params), axis=1)).
+DX_PRIVACY_EPSILONS = {"cpu": (400.0, 40.0), "paper": (730.0, 220.0, 73.0)}
+# DP-Forward's clip_norm C: the median per-sequence Frobenius norm ||h||_F at the defense
+# cut, so that clipping shrinks about half the sequences and the server sees h at its own
+# scale (the noise scales with C: sigma = 1.20 C at epsilon 8, 7.46 C at epsilon 1, delta
+# 1e-5). Measured: tiny (k = 2) 6.1 over its 16 calibration documents. NOT measured (as
+# above): cpu (k = 6, d = 128) assumes 30; paper (k = 6) 3000, GPT-2 124M's first position
+# alone carrying a norm in the thousands there. Both are fine-tuned with the defense in the
+# loop, so the server adapts to the scale C leaves.
+DP_FORWARD_CLIP = {"cpu": 30.0, "paper": 3000.0}
+
+
+def _declared_defenses(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The scoring config whose declared threat space holds every defense the job runs."""
+  return scoring.get_config(",".join(entry[0] for entry in config.defenses))
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
   model_names = {"cpu": "embedded", "paper": "gpt2_124m", "tiny": "tiny",
@@ -138,10 +162,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.corpus_study.corpora = ("clinical", "code")
   config.corpus_study.cut = 2 if tiny else 6  # Inference captures of the base model.
   config.corpus_study.n_eval = 8 if tiny else 128  # Documents per corpus.
-  # Defenses: (name, parameter, strengths) swept at `defense_cut`, public knowledge,
-  # on each fine-tuned model (the seeds of the gate); strength 0 is the reference. `cpu`
-  # sweeps fewer strengths to fit 45 minutes: mixup m = 4 alone cost 6 of its minutes
-  # (mixup_adaptive's search grows with m), Gaussian sigma = 1.0 lies between two others.
+  # Defenses: (name, parameter, values[, fixed]) swept at `defense_cut`, public knowledge,
+  # on each fine-tuned model (the seeds of the gate): `values` are the parameter's own
+  # values, `fixed` ((parameter, value), ...) the defense's other public parameters, held at
+  # every value. How strong a value is comes from the defense (`Defense.strength`, larger is
+  # stronger, 0 the undefended target): 1 / epsilon for an epsilon, so a larger epsilon is a
+  # weaker defense; the report's verdict table and frontier order by it. `cpu` sweeps fewer
+  # strengths to fit 45 minutes: mixup m = 4 alone cost 6 of its minutes (mixup_adaptive's
+  # search grows with m), Gaussian sigma = 1.0 lies between two others.
   config.defense_cut = 2 if tiny else 6
   config.defense_docs = 256 if paper else 48  # Documents per defended capture (tiny: see n_eval).
   # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
@@ -153,7 +181,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # verdicts are FAIL or INSUFFICIENT_EVIDENCE, never PASS. `paper` runs every one.
   config.defense_skip_attacks = () if paper else tuple(config.published.attacks) + (
       () if tiny else ("activation_flop_matched", "joint_defense_aware"))
-  config.defenses = (  # (registry name of lla.defenses, parameter, strengths)
+  config.defenses = (  # (registry name of lla.defenses, parameter, values[, fixed])
       ("gaussian", "sigma", (0.3,) if tiny else ((0.3, 1.0, 3.0) if paper else (0.3, 3.0))),
       ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),
       ("quantize", "bits", (2,) if tiny else (4, 2)),
@@ -161,12 +189,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       ("projection", "enabled", (True,)),
       ("gradient_clip_noise", "clip_norm", (0.01,)),
       ("nopeek", "alpha", (1.0,)),
+      # d_chi noise on the input embeddings (DX_PRIVACY_EPSILONS; tiny: ~3x its measured
+      # median row norm, 32 / (3 x 0.182) = 59). dx_privacy and dp_forward each add 3
+      # defended captures per value on `cpu` (12 in all, to the 30 above, 12.0 min at
+      # 1dcb37e idle: ~24 s each); their own cost on the embedded model was not measured
+      # here (the host was saturated), so `cpu`'s time with them is to be measured.
+      ("dx_privacy", "epsilon", (60.0,) if tiny else DX_PRIVACY_EPSILONS["paper" if paper
+                                                                      else "cpu"]),
+      # DP-Forward at delta = 1e-5, the clip at the median per-sequence ||h||_F at the cut
+      # (tiny: 6.1 measured at k = 2 over its 16 calibration documents; DP_FORWARD_CLIP).
+      ("dp_forward", "epsilon", (8.0,) if tiny else ((16.0, 8.0, 1.0) if paper else (8.0, 1.0)),
+       (("delta", 1e-5), ("clip_norm", 6.0 if tiny else DP_FORWARD_CLIP["paper" if paper
+                                                                        else "cpu"]))),
   )
   # Defenses kept in the loop while the target is fine-tuned again from the base (the
-  # server adapts; NoPeek also trains the client); the rest act on a fixed target.
-  config.defense_finetune = ("mixup", "projection", "gradient_clip_noise", "nopeek") \
-      if not paper else ("gaussian", "topk", "quantize", "mixup", "projection",
-                         "gradient_clip_noise", "nopeek")
+  # server adapts; NoPeek also trains the client); the rest act on a fixed target. `cpu`
+  # and `tiny` keep Gaussian noise, top-k and quantisation on the fixed target (time);
+  # `paper` fine-tunes with every one. A defense that acts through the training objective
+  # or has trained weights of its own is fine-tuned whatever this says
+  # (lla.study.defense_sweep.fine_tunes_with).
+  fixed_target = () if paper else ("gaussian", "topk", "quantize")
+  config.defense_finetune = tuple(entry[0] for entry in config.defenses
+                                  if entry[0] not in fixed_target)
   # The decoy-row training split (PROTOCOL section 7): its small variant (synthetic tokens,
   # a 2-layer model) on CPU, 3 seeds so that its gate can decide; paper: 9 seeds of `cpu`.
   config.decoy = decoy_leak.get_config("cpu" if paper else "tiny")
@@ -177,7 +221,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 0.6-1B variants keep theirs: the decoy split cuts WikiText-2 with GPT-2's tokenizer.
     config.decoy.model.hf_dir = config.model.get_ref("hf_dir")
     config.decoy.model.cut = 6
-  config.scoring = scoring.get_config()
+  config.scoring = _declared_defenses(config)  # Scoring policy and declared threat space.
   # The qualification matrix's test checks (each module's AttackSpec.checks): their status is
   # a recorded pytest outcome logged in the study (lla.study.qualification), never assumed.
   config.qualification = ml_collections.ConfigDict()
@@ -265,6 +309,7 @@ def _fit_smollm2_to_two_cores(config: ml_collections.ConfigDict) -> None:
                      ("quantize", "bits", (4,)), ("mixup", "m", (2,)),
                      ("projection", "enabled", (True,)),
                      ("gradient_clip_noise", "clip_norm", (0.01,)), ("nopeek", "alpha", (1.0,)))
+  config.scoring = _declared_defenses(config)  # The new defenses are not run here.
   # nopeek_adaptive's shadow NoPeek fine-tune takes the victim's own steps and learning
   # rate (its default 32 steps cost 275 s per defended capture here).
   config.budget.nopeek_shadow_steps = 8  # 128 passages / 16 per batch x 1 epoch

@@ -13,8 +13,8 @@ from lla.scoring import coverage
 
 
 def get_config(arg=None):
-  """Returns the scoring config; `arg` is unused (kept for the CLI syntax)."""
-  del arg
+  """Returns the scoring config; `arg`: defenses declared beside the default ones,
+  comma-separated (the main job passes those its config runs)."""
   c = ml_collections.ConfigDict()
   # Policy name under lla/scoring/policies/ (or a path to a .json policy).
   c.policy = "scorecard-policy.v3"
@@ -33,10 +33,10 @@ def get_config(arg=None):
   c.threat_space.observations = split_llm + decoy_frames
   # Attacker knowledge of the client weights (PROTOCOL section 1).
   c.threat_space.knowledge = ("public", "trained")
-  # Defenses, "none" being the undefended reference.
-  c.threat_space.defenses = ("none", "gaussian", "topk", "quantize", "mixup",
-                             "projection", "gradient_clip_noise", "nopeek",
-                             "decoy_rows")
+  # Defenses, "none" being the undefended reference, then those `arg` names.
+  c.threat_space.defenses = tuple(dict.fromkeys(
+      ("none", "gaussian", "topk", "quantize", "mixup", "projection", "gradient_clip_noise",
+       "nopeek", "decoy_rows") + tuple(n for n in (arg or "").split(",") if n)))
   # Cells excluded on purpose: {axis: value, ..., "reason": why}; a missing
   # axis matches every value.
   c.threat_space.out_of_scope = (

@@ -1,14 +1,18 @@
 """Defenses in the main job: defended captures, every fitting attack, utility cost, frontier.
 
-Each defense configuration (name, parameter, strength) is applied to every public target at
-the defense cut (one per model seed, the gate's independent seeds). Each (configuration,
+Each defense configuration (a defense, one value of its swept parameter and its fixed
+parameters: `Configuration`) is applied to every public target at the defense cut (one per
+model seed, the gate's independent seeds). Each (configuration,
 seed) is one defended target with its own secret, 128 bits drawn from the OS the first time
 it is needed and kept only in the defender's key store `workdir/defender/secrets.json`
 (outside the captures and the study, which record its hash alone; the store lets an
-interrupted job resume with the same secret). Defenses named in `config.defense_finetune`
-are first kept in the loop while that target is fine-tuned again from the base (same seed
-and data), so that the server adapts; a defense on the returned gradient or on the training
-objective also trains the client layers, where its effect lands.
+interrupted job resume with the same secret). Defenses named in `config.defense_finetune`,
+and every defense that acts through the training objective or has trained weights of its own
+(kept from the attacker), are first kept in the loop while that target is fine-tuned again
+from the base (same seed and data), so that the server adapts; a defense on the returned
+gradient or on the training objective also trains the client layers, where its effect lands. A defense on the input embeddings runs the client's
+blocks on its noisy embeddings at fine-tuning, capture and utility alike
+(`lla.defenses.training.defended_client`).
 
 The defended capture stores what crossed the cut, h' and g' = dL/dh' (PROTOCOL section 1
 with the defense in the loop), in batches of `capture_batch_size`. On it runs every
@@ -26,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import pathlib
+from typing import Any
 
 import ml_collections
 from absl import logging
@@ -79,9 +84,85 @@ class KeyStore:
     return defenses.Secret(int(self._values[target]), "os_random_128")
 
 
-def configurations(config) -> list[tuple[str, str, float]]:
-  return [(name, param, strength) for name, param, strengths in config.defenses
-          for strength in strengths]
+def own_weights_key(defense: defenses.Defense) -> str | None:
+  """The params key of a defense's own trained weights (mid's bottleneck, `params_key`):
+  the client's secret, trained in the defended fine-tune; None for a defense without."""
+  return getattr(defense, "params_key", None)
+
+
+def fine_tunes_with(defense: defenses.Defense, config) -> bool:
+  """Whether the main job fine-tunes the target again with `defense` in the loop: where
+  `config.defense_finetune` names it, and always for a defense that acts through the
+  training objective (its messages are the model's own until it has trained) or has trained
+  weights of its own (they exist only once trained)."""
+  return (defense.name in config.defense_finetune or defense.acts_on == "training"
+          or own_weights_key(defense) is not None)
+
+
+def attacker_facing(target, defense: defenses.Defense, calibration) -> replay.Attacker:
+  """The attacker of a defended target: the client layers its knowledge allows, never the
+  defense's own trained weights (the client's secret)."""
+  attacker = target.attacker(calibration)
+  key = own_weights_key(defense)
+  if key is None or key not in attacker.params:
+    return attacker
+  return dataclasses.replace(attacker, params={n: v for n, v in attacker.params.items()
+                                               if n != key})
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+  """One defended configuration of the main job: defense `name` with its parameter `param`
+  at `value` and its other public parameters at `fixed` ((parameter, value), ...).
+
+  `value` is the parameter's own value; how strong it is comes from the defense
+  (`Defense.strength`, larger is stronger: 1 / epsilon for an epsilon), which the report
+  orders by."""
+
+  name: str
+  param: str
+  value: Any
+  fixed: tuple[tuple[str, Any], ...] = ()
+
+  @property
+  def label(self) -> str:
+    """Its name in run ids, capture directories, the key store and the report:
+    `name_paramvalue`, then `_paramvalue` for each fixed parameter."""
+    return f"{self.name}_{self.param}{self.value}" + "".join(f"_{p}{v}" for p, v in self.fixed)
+
+  def defense(self) -> defenses.Defense:
+    return defenses.make(self.name, **{self.param: self.value, **dict(self.fixed)})
+
+
+def configurations(config) -> list[Configuration]:
+  """`config.defenses`, one Configuration per swept value, in order. Each entry is (name,
+  parameter, values) or (name, parameter, values, ((parameter, value), ...)); every defense
+  is built here, so that a bad entry is refused before any phase runs.
+
+  Raises:
+    defenses.DefenseError (one line naming the entry): a malformed entry, an unknown
+    defense or parameter, a value its mechanism refuses, or two entries with one label.
+  """
+  out = []
+  for entry in config.defenses:
+    if len(entry) not in (3, 4) or not isinstance(entry[2], (tuple, list)) or not entry[2]:
+      raise defenses.DefenseError(
+          f"config.defenses entry {tuple(entry)!r}: expected (name, parameter, values) or "
+          "(name, parameter, values, ((parameter, value), ...)) with at least one value")
+    name, param, values = entry[:3]
+    fixed = tuple(tuple(pair) for pair in (entry[3] if len(entry) == 4 else ()))
+    if any(len(pair) != 2 for pair in fixed) or param in dict(fixed):
+      raise defenses.DefenseError(
+          f"config.defenses entry for {name!r}: fixed parameters {fixed!r} must be "
+          f"(parameter, value) pairs other than the swept {param!r}")
+    out += [Configuration(name, param, value, fixed) for value in values]
+  labels = [c.label for c in out]
+  repeated = sorted({label for label in labels if labels.count(label) > 1})
+  if repeated:
+    raise defenses.DefenseError(f"config.defenses lists {', '.join(repeated)} twice")
+  for c in out:
+    c.defense()
+  return out
 
 
 def fitting_attacks(defense: defenses.Defense, observed, knowledge: str,
@@ -193,20 +274,20 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
   costs = rundir.read_logged_json(str(study), UTILITY_FILE) or {}
   keys = KeyStore(workdir / KEY_STORE)
   jobs = [(c, t) for c in configurations(config) for t in public]
-  for (name, param, strength), undefended in tqdm(jobs, desc="defenses", unit="capture"):
+  for configuration, undefended in tqdm(jobs, desc="defenses", unit="capture"):
     # Each job fine-tunes, captures and attacks anew: once the heap's free pages from the
     # jobs before it add up past a limit, they go back to the OS (lla.allocator.release_free).
     allocator.release_free()
-    label = f"{name}_{param}{strength}"
+    name, label = configuration.name, configuration.label
     # What the jobs before this one left held (a job's growth shows between two lines).
     logging.info("defenses: before %s/m%d: malloc %s, JAX arrays %s, memory mappings %s",
                  label, undefended.model_seed, allocator.heap_usage(), runtime.held_arrays(),
                  runtime.memory_mappings())
-    defense = defenses.make(name, **{param: strength})
+    defense = configuration.defense()
     secret = keys.secret(f"{label}/m{undefended.model_seed}") if defense.has_secret else None
     record = defense.to_record(secret)
     target = undefended
-    fine_tuned = name in config.defense_finetune
+    fine_tuned = fine_tunes_with(defense, config)
     if fine_tuned:
       target = defended_target(config, workdir, undefended, defense, secret, label, splits,
                                base)
@@ -214,7 +295,7 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
     defended_capture(directory, target, defense, secret, label, fine_tuned, tokens, ids, cut,
                      splits.corpus, {n: s.sha256 for n, s in splits.items()}, batch_size,
                      splits.known_prefix)
-    attacker = target.attacker(splits.calibration.tokens)
+    attacker = attacker_facing(target, defense, splits.calibration.tokens)
     attacks, baselines = fitting_attacks(defense, {"activations", "gradients"},
                                          target.knowledge, tuple(config.defense_skip_attacks))
     for seed in config.attack_seeds:
@@ -236,8 +317,9 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
       # layers too where the defended one does): the defense's whole utility cost.
       reference = (trained_reference(config, workdir, undefended, splits, base)
                    if fine_tuned and trains_client(defense) else undefended.params)
-      costs[key] = {"defense": name, "param": param, "strength": strength,
-                    "model_seed": target.model_seed,
+      costs[key] = {"defense": name, "param": configuration.param,
+                    "value": configuration.value, "fixed": dict(configuration.fixed),
+                    "strength": defense.strength, "model_seed": target.model_seed,
                     **utility.heldout_utility(target.params, target.cfg, tokens, cut, defense,
                                               secret, reference_params=reference,
                                               first_step=UTILITY_STEP, n_boot=2000)}
