@@ -10,7 +10,8 @@ warm (every executable already compiled). Reported per capture and attack:
     what ran, every shared stage charged in full; and the analytic count), FLOPs and warm
     wall time per document, both as a ratio to the activation beam search on the same
     capture, compile seconds, warm seconds per stage, achieved FLOP/s; SipIt's acceptance
-    statistics;
+    statistics; `jax_compile` of the cold and of the warm run (lla.runtime.compile_meter:
+    JAX's own compile events, executables built and loaded from the persistent cache);
   * the machine's float32 matmul FLOP/s (jax and torch);
   * the beam searches written plainly in PyTorch with transformers' GPT-2 on the same
     candidates (training capture), on JAX's device (the GPU, when JAX runs on one) at
@@ -20,7 +21,8 @@ warm (every executable already compiled). Reported per capture and attack:
     process whose persistent compilation cache (lla.runtime, $LLA_COMPILATION_CACHE_DIR)
     is an empty temporary directory, then in a SECOND fresh process on the same, now
     populated, directory; their cold times against the warm in-process time, and the
-    second process's overhead (second cold - warm) as a fraction of warm. The probes
+    second process's overhead (second cold - warm) as a fraction of warm, and each
+    probe's `jax_compile` (the second's executables all loaded from the cache). The probes
     re-invoke this binary (--cold_probe) on the same checkpoint and capture, written once
     to a temporary directory. The main process itself keeps the persistent cache off, so
     that its in-process cold time is a compilation from scratch (a later attack's still
@@ -183,11 +185,12 @@ def matmul_flops(n: int, torch_device: str) -> dict:
 
 def lla_attack(name: str, make_ws, budget: dict, truth: np.ndarray) -> dict:
   """The attack cold (compiling) then warm, each on a fresh workspace of the capture."""
-  runs = []
-  for _ in ("cold", "warm"):
+  runs, spent = [], {}
+  for which in ("cold", "warm"):
     ws = make_ws()
     start = time.perf_counter()
-    result, charge = registry.execute(name, ws, budget, jax.random.key(0))
+    with runtime.compile_meter() as spent[which]:
+      result, charge = registry.execute(name, ws, budget, jax.random.key(0))
     runs.append((result, charge, time.perf_counter() - start, ws))
   (cold, cold_charge, cold_s, _), (warm, charge, warm_s, ws) = runs
   if not np.array_equal(cold.predictions, warm.predictions):
@@ -199,6 +202,7 @@ def lla_attack(name: str, make_ws, budget: dict, truth: np.ndarray) -> dict:
          "flops": charge.flops, "flops_source": charge.flops_source,
          "flops_analytic": charge.flops_analytic, "flops_per_doc": charge.flops / b,
          "cold_s": cold_s, "compile_s": cold_charge.compile_s, "warm_s": warm_s,
+         "jax_compile": spent,
          "warm_s_per_doc": warm_s / b, "achieved_flops_per_s": charge.flops / warm_s,
          "predictions_sha256": files.int32_sha256(warm.predictions),
          "warm_stage_s": {s: c["wall_s"] for s, c in charge.stages.items()},
@@ -358,10 +362,12 @@ def cold_probe(name: str, probe_dir: Path, out_path: Path, capture: str):
                  ckpt.cfg, spec["cut"], arrays["calibration"], mesh=document_mesh(),
                  batch_docs=arrays["batch_docs"])
   start = time.perf_counter()
-  result, charge = registry.execute(name, ws, spec["budget"], jax.random.key(0))
+  with runtime.compile_meter() as spent:
+    result, charge = registry.execute(name, ws, spec["budget"], jax.random.key(0))
   cold_s = time.perf_counter() - start
   truth = arrays["tokens"]
   out = {"attack": name, "capture": capture, "cold_s": cold_s, "compile_s": charge.compile_s,
+         "jax_compile": spent,
          "token_recovery": float(np.mean(result.predictions == truth)),
          "exact_documents": float(np.mean(np.all(result.predictions == truth, axis=1))),
          "predictions_sha256": files.int32_sha256(result.predictions)}
@@ -501,13 +507,17 @@ def bench(work: Path, device: jax.Device):
           "with the populated, persistent compilation cache, against warm in-process")
     print(f"{'attack':12s}{'1st cold s':>11s}{'2nd cold s':>11s}{'warm s':>9s}"
           f"{'2nd - warm':>11s}{'/ warm':>8s}{'1st compile':>12s}{'2nd compile':>12s}"
-          f"{'in-proc cold':>13s}")
+          f"{'in-proc cold':>13s}{'1st XLA s':>10s}{'1st exec':>9s}{'2nd hits':>9s}"
+          f"{'2nd compiled':>13s}")
     for name, row in results[cold_capture].items():
       c = row["cold_start"]
+      first, second = c["first"]["jax_compile"], c["second"]["jax_compile"]
       print(f"{name:12s}{c['first']['cold_s']:11.2f}{c['second']['cold_s']:11.2f}"
             f"{row['warm_s']:9.2f}{c['second_overhead_s']:11.2f}"
             f"{100 * c['second_overhead_fraction']:7.1f}%{c['first']['compile_s']:12.2f}"
-            f"{c['second']['compile_s']:12.2f}{row['cold_s']:13.2f}")
+            f"{c['second']['compile_s']:12.2f}{row['cold_s']:13.2f}"
+            f"{first['seconds']:10.2f}{first['executables']:9d}{second['cache_hits']:9d}"
+            f"{second['compiled']:13d}")
   for capture, rows in results.items():
     if "sipit" in rows:
       d = rows["sipit"]["details"]

@@ -97,6 +97,11 @@ def test_cold_start_columns(bench):
     assert first["cache_entries_written"] > 0
     # The second process loads the first's executables instead of compiling them.
     assert second["compile_s"] < first["compile_s"]
+    # JAX's own events say so too: every executable the second builds comes from the cache;
+    # in-process, the warm run builds none.
+    spent = second["jax_compile"]
+    assert spent["cache_hits"] == spent["executables"] > 0 and spent["compiled"] == 0
+    assert row["jax_compile"]["warm"]["executables"] == 0
   # The printed table carries the same figures.
   lines = bench["stdout"].splitlines()
   header = next(i for i, line in enumerate(lines) if line.startswith("attack") and "2nd cold s"
