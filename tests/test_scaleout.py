@@ -14,6 +14,7 @@ instead of skipping them.
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -362,6 +363,10 @@ def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path)
   near = lambda runs, level: min(
       (p for p in runs if abs(np.log(p["flops"] / level)) <= np.log(1.5) + 1e-9),
       key=lambda p: (abs(np.log(p["flops"] / level)), p["flops"]), default=None)
+  # Every pair of the three attacks has a row: the loop below sees them all.
+  attacks = sorted({p["attack"] for p in table["points"]})
+  assert [(row["a"], row["b"]) for row in table["pairwise"]] == list(
+      itertools.combinations(attacks, 2))
   compared = 0
   for row in table["pairwise"]:
     runs = {a: [p for p in table["points"] if p["attack"] == row[a]] for a in ("a", "b")}
@@ -376,6 +381,8 @@ def test_frontier_report_matches_an_independent_computation(ray_sweep, tmp_path)
       diff = per_doc[(row["b"], pb["cell_id"])] - per_doc[(row["a"], pa["cell_id"])]
       assert entry["diff_pp"] == pytest.approx(100 * diff.mean(), abs=1e-9)
       assert entry["lo_pp"] <= entry["diff_pp"] <= entry["hi_pp"]
+  print(f"\npairs compared at a common level: {compared} of {len(table['pairwise'])}")
+  assert compared > 0
   assert table["summary"]["compared"] == compared
 
 
