@@ -193,7 +193,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # median row norm, 32 / (3 x 0.182) = 59). dx_privacy and dp_forward each add 3
       # defended captures per value on `cpu` (12 in all, to the 30 above, 12.0 min at
       # 1dcb37e idle: ~24 s each); their own cost on the embedded model was not measured
-      # here (the host was saturated), so `cpu`'s time with them is to be measured.
+      # here (the host was saturated), so `cpu`'s time with them is to be measured. On
+      # `tiny` (k = 2, 48 documents, one seed, fine-tuned with it, beside ~20 other
+      # processes on 2 cores; the first run, compiles included): dx_privacy 278 s wall / 46
+      # CPU-s (dx_privacy_adaptive 57 s, 7 attacks), dp_forward 105 s / 23 CPU-s
+      # (dp_forward_adaptive 23 s, 9 attacks); CE cost +0.022 and +1.02 nats.
       ("dx_privacy", "epsilon", (60.0,) if tiny else DX_PRIVACY_EPSILONS["paper" if paper
                                                                       else "cpu"]),
       # DP-Forward at delta = 1e-5, the clip at the median per-sequence ||h||_F at the cut
