@@ -3,6 +3,7 @@ Llama of each depth, each in a fresh process with an empty persistent compilatio
 
   python -m experiments.bench_compile --out=/tmp/bench_compile.json
   python -m experiments.bench_compile --repos=/tmp/before,. --out=...   # two code trees
+  python -m experiments.bench_compile --programs --out=...   # the model's programs alone
 
 Per (code tree, depth) one child process (this file, `--worker`, with PYTHONPATH set to the
 tree, so an older tree without this file is measured by the same harness) writes a random
@@ -14,6 +15,13 @@ lowering) and the wall seconds of each phase. The parent prints each tree's figu
 ratio of the deepest model to the shallowest, and writes them all as JSON. The children run
 one after another, interleaved by depth, so that a machine shared with other work loads
 every figure of a ratio alike.
+
+`--programs` measures the model's own programs instead, in this process: for each depth and
+each form of the parameters (the HF-named tree, layers unrolled; `split.computation_form`,
+one scanned layer body) the compile seconds (lower + compile) and warm seconds of the
+capture's `boundary_messages` on `--docs` x `--tokens`, and of the one-token step vmapped
+over 64 candidate tokens, both at k = L/2, and the h, g and step output of the two forms
+against each other (max relative difference).
 """
 
 import json
@@ -33,6 +41,8 @@ _DOCS = flags.DEFINE_integer("docs", 8, "Documents captured.")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "Tokens per document.")
 _ATTACKS = flags.DEFINE_string("attacks", "activation,sipit", "Attacks replayed.")
 _OUT = flags.DEFINE_string("out", None, "JSON file of every figure.")
+_PROGRAMS = flags.DEFINE_bool("programs", False, "Measure the model's programs in-process, "
+                              "named against stacked parameters.")
 _WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one depth in this process.")
 _N_LAYER = flags.DEFINE_integer("n_layer", 4, "Internal: the worker's depth.")
 
@@ -94,6 +104,51 @@ def worker(n_layer: int) -> dict:
   return {"n_layer": n_layer, "cut": n_layer // 2, "phases": phases, "total": total}
 
 
+def programs(n_layer: int) -> dict:
+  """Compile and warm seconds of the capture's and the one-token step's programs at depth
+  `n_layer` for each form of the parameters (module docstring)."""
+  import statistics
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from lla.model import decoder, split
+
+  cfg = decoder.DecoderConfig(family="llama", vocab_size=_VOCAB.value, n_positions=64,
+                              n_embd=128, n_layer=n_layer, n_head=4, n_kv_head=2, head_dim=32,
+                              d_ff=344, tie_embeddings=True)
+  k, named = n_layer // 2, decoder.random_params(cfg, 0)
+  forms = {"named": named, "stacked": split.computation_form(named, cfg)}
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (_DOCS.value, _TOKENS.value)), jnp.int32)
+  cache = 0.1 * jnp.asarray(rng.standard_normal(
+      (k, 2, _TOKENS.value, cfg.n_kv_head, cfg.head_dim), dtype=np.float32))
+  step = jax.jit(jax.vmap(split.client_step_kv, in_axes=(None, None, None, 0, None)),
+                 static_argnums=1)
+  work = {"boundary_messages": (split.boundary_messages, lambda p: (p, cfg, tokens, k)),
+          "step_64": (step, lambda p: (p, cfg, cache, jnp.arange(64, dtype=jnp.int32),
+                                       jnp.int32(_TOKENS.value // 2)))}
+  out = {}
+  for name, (fn, args) in work.items():
+    row, results = {}, {}
+    for form, params in forms.items():
+      start = time.perf_counter()
+      executable = fn.lower(*args(params)).compile()
+      compile_s = time.perf_counter() - start
+      dynamic = [a for a in args(params) if not isinstance(a, (type(cfg), int))]  # static: cfg, k
+      results[form] = jax.block_until_ready(executable(*dynamic))
+      times = []
+      for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(executable(*dynamic))
+        times.append(time.perf_counter() - start)
+      row[form] = {"compile_s": compile_s, "warm_s": statistics.median(times)}
+    row["max_rel_diff"] = max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(results["stacked"]), jax.tree.leaves(results["named"])))
+    out[name] = row
+  return out
+
+
 def measure(repo: Path, n_layer: int) -> dict:
   """`worker(n_layer)` in a fresh Python process importing `repo`'s lla."""
   with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -110,8 +165,18 @@ def main(argv):
   if _WORKER.value:
     Path(_OUT.value).write_text(json.dumps(worker(_N_LAYER.value)))
     return
-  repos = [Path(r).resolve() for r in _REPOS.value]
   depths = [int(n) for n in _LAYERS.value]
+  if _PROGRAMS.value:
+    results = {n_layer: programs(n_layer) for n_layer in depths}
+    for n_layer, by_program in results.items():
+      for name, row in by_program.items():
+        print(f"L={n_layer:>3} {name:>18}: " + "  ".join(
+            f"{form} compile {row[form]['compile_s']:.2f} s warm {1e3 * row[form]['warm_s']:.1f} ms"
+            for form in ("named", "stacked")) + f"  max rel diff {row['max_rel_diff']:.1e}")
+    if _OUT.value:
+      Path(_OUT.value).write_text(json.dumps(results, indent=1))
+    return
+  repos = [Path(r).resolve() for r in _REPOS.value]
   results = {str(r): {} for r in repos}
   for n_layer in depths:
     for repo in repos:

@@ -124,6 +124,13 @@ def ref(request, tmp_path_factory) -> Ref:
              torch.from_numpy(tokens).long())
 
 
+@pytest.fixture(params=["named", "stacked"])
+def params(request, ref) -> dict:
+  """The parameters in either form: the HF-named tree (layers unrolled) or its computation
+  form (the layers stacked, a range of them one scanned layer body)."""
+  return ref.params if request.param == "named" else split.computation_form(ref.params, ref.cfg)
+
+
 def test_config_read(ref):
   cfg, hf = ref.cfg, ref.model.config
   assert cfg.family == ref.family
@@ -142,62 +149,74 @@ def test_config_read(ref):
   assert tied == cfg.tie_embeddings
 
 
-def test_logits_and_hidden_states(ref):
+def test_logits_and_hidden_states(ref, params):
   with torch.no_grad():
     out = ref.model(ref.tokens_pt, output_hidden_states=True)
-  assert_close(split.logits(ref.params, ref.cfg, ref.tokens), out.logits, RTOL, "logits")
-  ours = jax.jit(split.hidden_states, static_argnums=1)(ref.params, ref.cfg, ref.tokens)
+  assert_close(split.logits(params, ref.cfg, ref.tokens), out.logits, RTOL, "logits")
+  ours = jax.jit(split.hidden_states, static_argnums=1)(params, ref.cfg, ref.tokens)
   assert len(ours) == len(out.hidden_states) == ref.cfg.n_layer + 1
   for i, (a, r) in enumerate(zip(ours, out.hidden_states)):
     assert_close(a, r, RTOL, f"hidden state {i}")
 
 
-def test_boundary_messages(ref):
+def test_boundary_messages(ref, params):
   for k in CUTS:
     h_ref, g_ref = hf_boundary(ref.model, ref.tokens_pt, k)
-    h, g = split.boundary_messages(ref.params, ref.cfg, ref.tokens, k)
+    h, g = split.boundary_messages(params, ref.cfg, ref.tokens, k)
     assert_close(h, h_ref, RTOL, f"h at k={k}")
     assert_close(g, g_ref, RTOL, f"g at k={k}")
 
 
-def test_server_loss_is_hf_loss(ref):
+def test_server_loss_is_hf_loss(ref, params):
   with torch.no_grad():
     out = ref.model(ref.tokens_pt, labels=ref.tokens_pt)
   k = CUTS[-1]
-  h = split.client(ref.params, ref.cfg, ref.tokens, k)
-  loss, logits = split.server_loss(ref.params, ref.cfg, h, ref.tokens, k)
+  h = split.client(params, ref.cfg, ref.tokens, k)
+  loss, logits = split.server_loss(params, ref.cfg, h, ref.tokens, k)
   assert_close(loss, out.loss, RTOL, "server loss")
   assert_close(logits, out.logits, RTOL, "server logits")
 
 
-def test_kv_step_equals_batched_client_and_hf(ref):
+def test_kv_step_equals_batched_client_and_hf(ref, params):
   """The KV-cached one-token client (cache [k, 2, T, H_kv, D] of rotated keys) at every
   position, against the batched client and against HF's h."""
   k = CUTS[-1]
   h_ref, _ = hf_boundary(ref.model, ref.tokens_pt, k)
-  want = split.client(ref.params, ref.cfg, ref.tokens, k)
+  want = split.client(params, ref.cfg, ref.tokens, k)
   step = jax.jit(jax.vmap(split.client_step, in_axes=(None, None, 0, 0, None)), static_argnums=1)
   cache = jnp.stack([split.init_cache(ref.cfg, k, T)] * B)
   assert cache.shape == (B, k, 2, T, ref.cfg.n_kv_head, ref.cfg.head_dim)
   rows = []
   for t in range(T):
-    h_t, cache = step(ref.params, ref.cfg, cache, ref.tokens[:, t], t)
+    h_t, cache = step(params, ref.cfg, cache, ref.tokens[:, t], t)
     rows.append(h_t)
   stepped = jnp.stack(rows, axis=1)
   assert_close(stepped, want, RTOL, "KV step vs batched client")
   assert_close(stepped, h_ref, RTOL, "KV step vs HF h")
 
 
-def test_step_embedding_is_step_kv(ref):
+def test_step_embedding_is_step_kv(ref, params):
   """The continuous-input step (SipIt's gradient policy) from the input-table row equals the
   token step (Gemma: the row is scaled by sqrt(d) inside)."""
   k = 1
   cache = split.init_cache(ref.cfg, k, T)
   token = ref.tokens[0, 0]
-  a, _ = split.client_step_kv(ref.params, ref.cfg, cache, token, 0)
-  b, _ = split.client_step_embedding(ref.params, ref.cfg, cache,
-                                     split.input_table(ref.params)[token], 0)
+  a, _ = split.client_step_kv(params, ref.cfg, cache, token, 0)
+  b, _ = split.client_step_embedding(params, ref.cfg, cache,
+                                     split.input_table(params)[token], 0)
   np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_computation_form_is_the_named_tree_stacked(ref):
+  """Each leaf of the stack is the named layers' leaves one above the other, and the
+  non-layer entries are the same arrays."""
+  form = split.computation_form(ref.params, ref.cfg)
+  assert split.computation_form(ref.params, ref.cfg) is form  # made once
+  named = [f"layers_{i}" for i in range(ref.cfg.n_layer)]
+  assert set(form) == (set(ref.params) - set(named)) | {"layer_stack"}
+  for i, name in enumerate(named):
+    jax.tree.map(lambda s, x, i=i: np.testing.assert_array_equal(s[i], x),
+                 form["layer_stack"], ref.params[name])
 
 
 def test_export_roundtrip_loads_in_transformers(ref, tmp_path):

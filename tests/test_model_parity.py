@@ -99,6 +99,13 @@ def ref(request, tmp_path_factory) -> Ref:
              torch.from_numpy(tokens).long())
 
 
+@pytest.fixture(params=["named", "stacked"])
+def params(request, ref) -> dict:
+  """The parameters in either form: the HF-named tree (blocks unrolled) or its computation
+  form (the blocks stacked, a range of them one scanned block body)."""
+  return ref.params if request.param == "named" else split.computation_form(ref.params, ref.cfg)
+
+
 def test_config_read(ref):
   cfg, hf = ref.cfg, ref.model.config
   assert (cfg.vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head) == (
@@ -106,8 +113,8 @@ def test_config_read(ref):
   assert cfg.layer_norm_epsilon == hf.layer_norm_epsilon
 
 
-def test_logits_and_hidden_states(ref):
-  params, cfg = ref.params, ref.cfg
+def test_logits_and_hidden_states(ref, params):
+  cfg = ref.cfg
   with torch.no_grad():
     out = ref.model(ref.tokens_pt, output_hidden_states=True)
   assert_close(split.logits(params, cfg, ref.tokens), out.logits, 1e-4, "logits")
@@ -117,16 +124,16 @@ def test_logits_and_hidden_states(ref):
     assert_close(a, r, 1e-4, f"hidden state {i}")
 
 
-def test_boundary_messages(ref):
+def test_boundary_messages(ref, params):
   for k in CUTS[ref.name]:
     h_ref, g_ref = hf_boundary(ref.model, ref.tokens_pt, k)
-    h, g = split.boundary_messages(ref.params, ref.cfg, ref.tokens, k)
+    h, g = split.boundary_messages(params, ref.cfg, ref.tokens, k)
     assert_close(h, h_ref, 1e-4, f"h at k={k}")
     assert_close(g, g_ref, 1e-4, f"g at k={k}")
 
 
-def test_server_loss_is_hf_loss(ref):
-  params, cfg, tokens = ref.params, ref.cfg, ref.tokens
+def test_server_loss_is_hf_loss(ref, params):
+  cfg, tokens = ref.cfg, ref.tokens
   with torch.no_grad():
     out = ref.model(ref.tokens_pt, labels=ref.tokens_pt)
   k = CUTS[ref.name][-1]

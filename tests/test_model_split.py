@@ -45,9 +45,11 @@ def random_params(cfg: GPT2Config, seed: int) -> dict:
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-@pytest.fixture(scope="module")
-def params():
-  return random_params(CFG, seed=0)
+@pytest.fixture(scope="module", params=["named", "stacked"])
+def params(request):
+  """Either form: the HF-named tree (blocks unrolled) or its computation form (scanned)."""
+  named = random_params(CFG, seed=0)
+  return named if request.param == "named" else split.computation_form(named, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +161,34 @@ def test_random_params_draws_init_params_tree_and_scales():
   other = gpt2.random_params(cfg, seed=5)
   np.testing.assert_array_equal(drawn["wte"]["embedding"], again["wte"]["embedding"])
   assert not np.array_equal(drawn["wte"]["embedding"], other["wte"]["embedding"])
+
+
+def test_computation_form_equals_named_tree(tokens):
+  """The scanned blocks (computation form) against the unrolled ones (HF-named tree), a
+  second implementation of the same layers: h, g, logits and the one-token step within
+  1e-6 relative."""
+  named = random_params(CFG, seed=1)
+  form = split.computation_form(named, CFG)
+  assert "layer_stack" in form and not any(key.startswith("h_") for key in form)
+  for k in (1, K):
+    for a, b, what in zip(split.boundary_messages(form, CFG, tokens, k),
+                          split.boundary_messages(named, CFG, tokens, k), "hg"):
+      assert_close(a, b, 1e-6, f"{what} at k={k}")
+  assert_close(split.logits(form, CFG, tokens), split.logits(named, CFG, tokens), 1e-6, "logits")
+  cache = split.init_cache(CFG, K, T)
+  for a, b in zip(step(form, CFG, cache, tokens[0, 0], 0), step(named, CFG, cache, tokens[0, 0], 0)):
+    assert_close(a, b, 1e-6, "step")
+
+
+def test_scanned_program_does_not_grow_with_depth():
+  """The compiled client of the computation form has as many matmuls at 2 blocks as at 6
+  (one scanned block body); unrolled, 3x as many."""
+  dots = {}
+  for n_layer in (3, 7):
+    cfg = CFG.replace(n_layer=n_layer)
+    named = gpt2.random_params(cfg, 0)
+    for form, p in (("named", named), ("stacked", split.computation_form(named, cfg))):
+      text = split.client.lower(p, cfg, jnp.zeros((1, 4), jnp.int32), n_layer - 1).as_text()
+      dots[form, n_layer] = text.count("dot_general")
+  assert dots["stacked", 3] == dots["stacked", 7]
+  assert dots["named", 7] == 3 * dots["named", 3]

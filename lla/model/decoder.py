@@ -32,6 +32,12 @@ conversion is a rename plus a transpose of every `nn.Linear` weight (HF `[out, i
 `[in, out]`).
 
 The KV cache of the step is `[k, 2, T_max, H_kv, D]` and holds keys *after* q/k-norm and RoPE.
+
+Applied to the computation form of the parameters (`lla.model.layer_stack`: the layers
+stacked once, outside the traced function), a range of layers is one scanned layer body;
+what differs between layers is then scanned data, not Python branches: each layer's window
+(`layer_windows`) and the row of the RoPE tables it rotates with (`rope_index`, Gemma-3's
+local RoPE). Applied to the HF-named tree, the layers are unrolled, with the same formulas.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lla.model import layer_stack
 
 NORMS = ("rmsnorm", "rmsnorm_1p", "layernorm")
 MLPS = ("swiglu", "geglu", "gelu")
@@ -176,6 +184,33 @@ def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array,
   return jnp.cos(emb), jnp.sin(emb)
 
 
+def rope_index(cfg: DecoderConfig) -> np.ndarray:
+  """[L] int32: per layer, 0 if it rotates with the config's RoPE, 1 with its windowed
+  layers' own (`rope_of`; Gemma-3's local layers)."""
+  return np.array([int(cfg.rope_of(i) is not cfg) for i in range(cfg.n_layer)], np.int32)
+
+
+def rope_tables(cfg: DecoderConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[R, ..., D]`: `rope_cos_sin` of a layer of each `rope_index` value present
+  (R = 1 or 2), for a scanned layer to pick its row."""
+  layers = [int(np.argmax(rope_index(cfg) == r)) for r in range(rope_index(cfg).max() + 1)]
+  tables = [rope_cos_sin(cfg, positions, layer) for layer in layers]
+  return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+
+
+def layer_windows(cfg: DecoderConfig) -> np.ndarray:
+  """[L] int32: each layer's sliding window (0 = full causal attention)."""
+  return np.array([cfg.window(i) for i in range(cfg.n_layer)], np.int32)
+
+
+def _windowed(visible: jax.Array, query, key, window: int | jax.Array) -> jax.Array:
+  """`visible` and key > query - window where window > 0. `window` is a layer's own (an
+  int: no mask for 0) or a scanned layer's (a traced int32 scalar)."""
+  if isinstance(window, int):
+    return visible & (key > query - window) if window else visible
+  return visible & ((window == 0) | (key > query - window))
+
+
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """`x * cos + rotate_half(x) * sin` with rotate_half(x) = [-x2, x1] (half split)."""
   half = x.shape[-1] // 2
@@ -216,8 +251,10 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
+  """What differs between layers arrives as arguments, so that one traced body serves every
+  layer of a scan: the layer's RoPE `cos, sin` and its `window` (see `_windowed`)."""
+
   cfg: DecoderConfig
-  layer: int
 
   def setup(self):
     cfg = self.cfg
@@ -247,43 +284,40 @@ class Attention(nn.Module):
     cos, sin = cos[..., None, :], sin[..., None, :]
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """x [B, T, d], positions [T] int -> [B, T, d]."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               window: int | jax.Array) -> jax.Array:
+    """x [B, T, d], cos, sin [T, D] (`rope_cos_sin` of the positions) -> [B, T, d]."""
     cfg = self.cfg
     b, t = x.shape[0], x.shape[-2]
-    q, k, v = self._qkv(x, *rope_cos_sin(cfg, positions, self.layer))
+    q, k, v = self._qkv(x, cos, sin)
     q = q.reshape(b, t, cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * self.scale
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    visible = j <= i
-    window = cfg.window(self.layer)
-    if window:
-      visible = visible & (j > i - window)
+    visible = _windowed(j <= i, i, j, window)
     logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
     return self.o_proj(out.reshape(b, t, cfg.n_head * cfg.head_dim))
 
-  def step(self, x_t: jax.Array, cache_k: jax.Array, cache_v: jax.Array, t: jax.Array):
+  def step(self, x_t: jax.Array, cache_k: jax.Array, cache_v: jax.Array, t: jax.Array,
+           cos: jax.Array, sin: jax.Array, window: int | jax.Array):
     """One new position against a cached prefix (read, never copied) and itself.
 
     Args:
       x_t: [d] the normed input at position t.
       cache_k, cache_v: [T_max, H_kv, D]; rows < t hold the prefix (keys rotated).
       t: scalar int position.
+      cos, sin: [D] `rope_cos_sin` of t; window: as in `__call__`.
 
     Returns:
       (y_t [d], k_t [H_kv, D] rotated, v_t [H_kv, D]).
     """
     cfg = self.cfg
-    q_t, k_t, v_t = self._qkv(x_t, *rope_cos_sin(cfg, t, self.layer))
+    q_t, k_t, v_t = self._qkv(x_t, cos, sin)
     qg = q_t.reshape(cfg.n_kv_head, cfg.n_groups, cfg.head_dim)
     prefix = jnp.einsum("kgd,skd->kgs", qg, cache_k.astype(qg.dtype)).astype(jnp.float32) * self.scale
     rows = jnp.arange(cache_k.shape[0])
-    visible = rows < t
-    window = cfg.window(self.layer)
-    if window:
-      visible = visible & (rows > t - window)
+    visible = _windowed(rows < t, t, rows, window)
     prefix = jnp.where(visible, prefix, jnp.finfo(jnp.float32).min)
     self_logit = jnp.einsum("kgd,kd->kg", qg, k_t).astype(jnp.float32)[..., None] * self.scale
     weights = jax.nn.softmax(jnp.concatenate([prefix, self_logit], axis=-1), axis=-1)
@@ -311,14 +345,15 @@ class MLP(nn.Module):
 
 class Layer(nn.Module):
   """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms`
-  (Gemma-3) x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
+  (Gemma-3) x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
+
+  What differs between layers (RoPE tables, window: see `Attention`) is an argument."""
 
   cfg: DecoderConfig
-  layer: int
 
   def setup(self):
     self.input_layernorm = _norm(self.cfg, "input_layernorm")
-    self.self_attn = Attention(self.cfg, self.layer, name="self_attn")
+    self.self_attn = Attention(self.cfg, name="self_attn")
     # HF's name in both layouts: the MLP's input norm, or (sandwich) the attention output's.
     self.post_attention_layernorm = _norm(self.cfg, "post_attention_layernorm")
     if self.cfg.sandwich_norms:
@@ -335,14 +370,15 @@ class Layer(nn.Module):
       return self.post_feedforward_layernorm(hidden).astype(x.dtype)
     return self.mlp(self.post_attention_layernorm(x).astype(x.dtype)).astype(x.dtype)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    out = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions)
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               window: int | jax.Array) -> jax.Array:
+    out = self.self_attn(self.input_layernorm(x).astype(x.dtype), cos, sin, window)
     x = x + self._attention_out(out).astype(x.dtype)
     return x + self._mlp_branch(x)
 
-  def step(self, x_t, cache_k, cache_v, t):
+  def step(self, x_t, cache_k, cache_v, t, cos, sin, window):
     out, k_t, v_t = self.self_attn.step(self.input_layernorm(x_t).astype(x_t.dtype),
-                                        cache_k, cache_v, t)
+                                        cache_k, cache_v, t, cos, sin, window)
     x_t = x_t + self._attention_out(out).astype(x_t.dtype)
     return x_t + self._mlp_branch(x_t), k_t, v_t
 
@@ -362,7 +398,7 @@ class Decoder(nn.Module):
     self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.n_embd,
                                  embedding_init=nn.initializers.normal(0.02),
                                  param_dtype=jnp.float32, name="embed_tokens")
-    self.layers = [Layer(cfg, i, name=f"layers_{i}") for i in range(cfg.n_layer)]
+    self.layers = [Layer(cfg, name=f"layers_{i}") for i in range(cfg.n_layer)]
     self.norm = _norm(cfg, "norm")
     if not cfg.tie_embeddings and self.is_initializing():
       # Declared at init only and read where it is used (`head`): a party's share of the
@@ -382,10 +418,26 @@ class Decoder(nn.Module):
 
   def blocks(self, x: jax.Array, start: int, stop: int, offset: int | jax.Array = 0) -> jax.Array:
     """Blocks start..stop-1 over a residual stream [B, T, d] at positions offset + 0..T-1."""
+    cfg = self.cfg
     positions = offset + jnp.arange(x.shape[-2])
-    for layer in self.layers[start:stop]:
-      x = layer(x, positions)
-    return x
+    if not layer_stack.is_stacked(self):
+      for i in range(start, stop):
+        x = self.layers[i](x, *rope_cos_sin(cfg, positions, i), cfg.window(i))
+      return x
+    cos, sin = rope_tables(cfg, positions)
+    rope, window = self._per_layer()
+
+    def layer(m, x, i, _):
+      return m(x, cos[rope[i]], sin[rope[i]], window(i)), None
+
+    return layer_stack.scan(self, Layer(cfg, parent=None), layer, x, start, stop)[0]
+
+  def _per_layer(self):
+    """The scanned layers' data: rope_index [L] int32, and i -> layer i's window (0, the
+    Python int, where the config has no window at all)."""
+    windows = jnp.asarray(layer_windows(self.cfg))
+    return (jnp.asarray(rope_index(self.cfg)),
+            (lambda i: windows[i]) if self.cfg.sliding_window else (lambda i: 0))
 
   def ln_f(self, x: jax.Array) -> jax.Array:
     """The final norm (named as GPT-2's so that callers of `m.ln_f` work for every family)."""
@@ -409,11 +461,24 @@ class Decoder(nn.Module):
     Returns:
       (h_t [d], kv_t [stop - start, 2, H_kv, D]).
     """
-    new_kv = []
-    for i, layer in enumerate(self.layers[start:stop]):
-      x_t, k_t, v_t = layer.step(x_t, cache[i, 0], cache[i, 1], t)
-      new_kv.append(jnp.stack([k_t, v_t.astype(k_t.dtype)]))
-    return x_t, jnp.stack(new_kv)
+    cfg = self.cfg
+    if not layer_stack.is_stacked(self):
+      new_kv = []
+      for i in range(start, stop):
+        x_t, k_t, v_t = self.layers[i].step(x_t, cache[i - start, 0], cache[i - start, 1], t,
+                                            *rope_cos_sin(cfg, t, i), cfg.window(i))
+        new_kv.append(jnp.stack([k_t, v_t.astype(k_t.dtype)]))
+      return x_t, jnp.stack(new_kv)
+    cos, sin = rope_tables(cfg, t)
+    rope, window = self._per_layer()
+
+    def layer(m, x_t, i, cache_i):
+      x_t, k_t, v_t = m.step(x_t, cache_i[0], cache_i[1], t, cos[rope[i]], sin[rope[i]],
+                             window(i))
+      return x_t, jnp.stack([k_t, v_t.astype(k_t.dtype)])
+
+    return layer_stack.scan(self, Layer(cfg, parent=None), layer, x_t, start, stop, cache,
+                            first_apart=True)
 
 
 def init_params(cfg: DecoderConfig, key: jax.Array) -> dict:

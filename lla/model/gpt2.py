@@ -12,6 +12,9 @@ over one new position with an explicit key/value cache, used by the KV-cached cl
 The cache is a plain array argument (not a mutable Flax collection) so that it vmaps
 cleanly over documents, beams and candidates.
 
+Applied to the computation form of the parameters (`lla.model.layer_stack`), a range of
+blocks is one scanned block body; applied to the HF-named tree, the blocks are unrolled.
+
 Shapes: B batch, T positions, d = n_embd, H heads, D = d / H head size, V vocabulary.
 """
 
@@ -24,6 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lla.model import layer_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +211,12 @@ class GPT2(nn.Module):
 
   def blocks(self, x: jax.Array, start: int, stop: int) -> jax.Array:
     """Blocks start..stop-1 over a residual stream [B, T, d]."""
-    for block in self.h[start:stop]:
-      x = block(x)
-    return x
+    if not layer_stack.is_stacked(self):
+      for block in self.h[start:stop]:
+        x = block(x)
+      return x
+    block = lambda m, x, i, _: (m(x), None)
+    return layer_stack.scan(self, Block(self.cfg, parent=None), block, x, start, stop)[0]
 
   def head(self, x: jax.Array) -> jax.Array:
     """ln_f then the head tied to wte: [B, T, d] -> logits [B, T, V] float32."""
@@ -225,11 +233,19 @@ class GPT2(nn.Module):
     Returns:
       (h_t [d], kv_t [stop - start, 2, H, D]) the output and the new keys/values.
     """
-    new_kv = []
-    for i, block in enumerate(self.h[start:stop]):
-      x_t, k_t, v_t = block.step(x_t, cache[i, 0], cache[i, 1], t)
-      new_kv.append(jnp.stack([k_t, v_t]))
-    return x_t, jnp.stack(new_kv)
+    if not layer_stack.is_stacked(self):
+      new_kv = []
+      for i, block in enumerate(self.h[start:stop]):
+        x_t, k_t, v_t = block.step(x_t, cache[i, 0], cache[i, 1], t)
+        new_kv.append(jnp.stack([k_t, v_t]))
+      return x_t, jnp.stack(new_kv)
+
+    def block(m, x_t, i, cache_i):
+      x_t, k_t, v_t = m.step(x_t, cache_i[0], cache_i[1], t)
+      return x_t, jnp.stack([k_t, v_t])
+
+    return layer_stack.scan(self, Block(self.cfg, parent=None), block, x_t, start, stop, cache,
+                            first_apart=True)
 
 
 def init_params(cfg: GPT2Config, key: jax.Array) -> dict:

@@ -10,6 +10,10 @@ The client holds tokens `x [B, T]` and sends the forward message
 `lla.model.decoder.DecoderConfig`: there the client is `blocks[0..k-1](embed_tokens[x] *
 embed_scale)` with positions applied inside attention, and the head may be untied
 (`output_table`).
+
+Every function here takes either form of the parameters: the HF-named tree (the layers
+unrolled) or its computation form (`computation_form`: the layers stacked once, a range of
+them one scanned layer body, so a program's size does not grow with k or the depth).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import optax
 
 from lla.model import decoder
 from lla.model import gpt2
+from lla.model import layer_stack
 from lla.model.decoder import Decoder, DecoderConfig
 from lla.model.gpt2 import GPT2, GPT2Config
 
@@ -43,6 +48,14 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   if isinstance(cfg, DecoderConfig):
     return decoder.init_params(cfg, key)
   return gpt2.init_params(cfg, key)
+
+
+def computation_form(params: dict, cfg: ModelConfig) -> dict:
+  """The parameters with their layers stacked along a leading axis, made once per tree
+  (`lla.model.layer_stack.computation_form`); a share without every layer is returned as
+  it is. Pass this to the functions here, or to a jitted function that calls them, rather
+  than the HF-named tree, to compile one layer body whatever the depth."""
+  return layer_stack.computation_form(params, cfg.n_layer)
 
 
 def _check_cut(cfg: ModelConfig, k: int) -> None:
