@@ -104,7 +104,8 @@ DEFENDED = {
     "quantize": ({"bits": 4}, False), "topk": ({"sparsity": 0.75}, False),
     "projection": ({"kind": "haar"}, False), "gaussian": ({"sigma": 0.05}, False),
     "mixup": ({"m": 2}, False), "nopeek": ({"alpha": 0.5}, True),
-    "dp_forward": ({"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, False)}
+    "dp_forward": ({"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, False),
+    "dx_privacy": ({"epsilon": 300.0}, False)}
 DEFENSE_AWARE = ["activation_defense_aware", "joint_defense_aware"]
 # The baselines read the mechanism only through their calibration mimic (lla.defenses.aware):
 # one defended capture per family exercises them (the gaussian one: a draw of noise).
@@ -124,7 +125,8 @@ MATRIX.update({(a, f): "works" for a in ACTIVE for f in FAMILIES if f != "gpt2"}
 BUDGET = dict(candidates=V, c_a=V // 2, c_g=V // 2, beam_width=2, ridge_alpha=1e-3,
               shuffle_seed=17, sip_epochs=2, sip_hidden=16, sip_batch=4, bisr_f_steps=10,
               bisr_b_steps=4, eia_steps=10, eia_mapper=False, tag_steps=10, lamp_steps=10,
-              lamp_freq=5, lamp_candidates=4, likelihood_candidates=V, nopeek_shadow_steps=2)
+              lamp_freq=5, lamp_candidates=4, likelihood_candidates=V, nopeek_shadow_steps=2,
+              dx_recover_steps=10)
 
 
 # The learned and optimised inverters of the matrix: enough calibration documents to fit an

@@ -328,7 +328,8 @@ ROPE_FAMILIES_VERIFIED = frozenset({
     "shuffled_gradients", "gradient_only", "gradient_only_t1", "sipit", "sip", "sip_linear",
     "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp",
     "gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive", "projection_adaptive",
-    "quantize_adaptive", "topk_adaptive", "dp_forward_adaptive", "activation_defense_aware",
+    "quantize_adaptive", "topk_adaptive", "dp_forward_adaptive", "dx_privacy_adaptive",
+    "activation_defense_aware",
     "joint_defense_aware",
     "fsha_decode"})
 
@@ -380,6 +381,7 @@ BUILTIN_MODULES = (
     "lla.attacks.adaptive.likelihood_beam", "lla.attacks.adaptive.nopeek_adaptive",
     "lla.attacks.adaptive.mid_adaptive", "lla.attacks.adaptive.adversarial_adaptive",
     "lla.attacks.adaptive.sanitise_adaptive",
+    "lla.attacks.adaptive.dx_privacy_adaptive",
     "lla.decoy.modules", "lla.active.attack")
 
 

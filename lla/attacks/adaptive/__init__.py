@@ -8,4 +8,6 @@ secret (PROTOCOL section 5a; design notes in ../shared/notes/adaptive-attacks.md
 * `likelihood_beam`: a beam scored by the likelihood of the defended message (noise,
   compression, clipping).
 * `nopeek_adaptive`: against NoPeek (distance-correlation) training.
+* `dx_privacy_adaptive`: against d_chi noise on the input embeddings (`dx_privacy`,
+  `snd`): the noisy embeddings recovered from h, then the posterior beam.
 """
