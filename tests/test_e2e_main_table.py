@@ -19,7 +19,7 @@ from lla.model import checkpoint as ckpt
 from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
-from lla.study import defense_sweep, main_table
+from lla.study import main_table, qualification
 
 from test_attacks_units import np_client
 
@@ -284,7 +284,7 @@ def _pooled(study: str, records) -> dict[str, tuple[float, float, int]]:
 def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
   """Each defended gate's envelope, floor, seeds, positive control and decision, recomputed
   from the study's prediction and truth files with the rule written out above."""
-  config, workdir, _ = finished
+  _, workdir, _ = finished
   study = str(workdir / main_table.STUDY)
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
   records = rundir.load_records(study)
@@ -318,10 +318,7 @@ def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
     # The sample allows both decisions: 3 models x 48 documents put the floor under 1 pp.
     assert floor < _THRESHOLD_PP, (label, floor)
     assert any(r.startswith("fitting attack(s) unmeasured: bisr") for r in gate["reasons"])
-  # One gate per configuration of config.defenses, epsilon-parameterised ones included.
-  assert len([g for g in card["gates"] if g["config"]["defense"] != "decoy_rows"]) == len(
-      defense_sweep.configurations(config))
-  assert {"dx_privacy", "dp_forward"} <= {g["config"]["defense"] for g in card["gates"]}
+  assert len([g for g in card["gates"] if g["config"]["defense"] != "decoy_rows"]) == 7
   for gate in card["gates"]:
     if gate["config"]["defense"] == "decoy_rows":
       # The decoy-row configurations have no undefended run of their family (the decoy
@@ -341,15 +338,34 @@ def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
 
 
 def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
-  _, workdir, _ = finished
+  config, workdir, _ = finished
   study = str(workdir / main_table.STUDY)
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
   records = rundir.load_records(study)
   quality = card["qualification"]
-  # The tiny job runs no declared test (config.qualification): unmeasured, never assumed.
-  assert quality["activation"]["reference_consistency"]["status"] == "unmeasured"
-  assert quality["activation"]["reference_consistency"]["sources"] == ["not run"]
+  # The tiny job ran the declared tests of config.qualification.modules (and logged their
+  # outcomes); a pass on a checkout with uncommitted changes is `partial`. The checks of
+  # the other modules did not run: unmeasured, never assumed.
+  outcomes = qualification.recorded_outcomes(study)
+  assert outcomes["modules"] == sorted(config.qualification.modules)
+  dirty = outcomes["git_dirty"] is not False
+  source = f"pytest outcome in {qualification.OUTCOMES_FILE}" + (
+      f" ({qualification.DIRTY})" if dirty else "")
+  for module in config.qualification.modules:
+    for kind in ("reference_consistency", "synthetic"):  # (adaptation adds the runs')
+      cell = quality[module][kind]
+      if any(e["evidence"].startswith("tests/") for e in cell["evidence"]):
+        assert cell["status"] == ("partial" if dirty else "pass"), (module, kind, cell)
+        assert cell["sources"] == [source], (module, kind, cell)
+  assert quality["sipit"]["reference_consistency"]["status"] == "unmeasured"
+  assert quality["sipit"]["reference_consistency"]["sources"] == ["not run"]
   assert quality["activation"]["real_model"]["status"] == "pass"
+  # mixup_adaptive's records carry per-document claims: scored per document beside per
+  # row, with the mixup gate under each (docs/attacks.md).
+  section = card["per_document"]
+  assert sorted(section["rows"]) == sorted(r.run_id for r in records if r.status == "ok"
+                                           and r.attack == "mixup_adaptive")
+  assert [g["config"]["defense"] for g in section["gates"]] == ["mixup"]
   # Each defended configuration: "pass" iff refitting on the defended calibration is at
   # least the unaware attack's excess, recomputed from the gate's pooled figures. Under
   # Gaussian noise, top-k and projection both sit near the baseline (their order is
@@ -363,13 +379,10 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
     label = item["detail"].split()[0]
     pooled = gates_by_label[label]["pooled"]
     aware = pooled["activation_defense_aware"]["excess_pp"]
-    assert item["status"] == ("pass" if aware >= pooled["activation"]["excess_pp"]
+    assert item["status"] == ("pass" if aware > pooled["activation"]["excess_pp"]
                               else "partial"), item
     statuses[label] = item["status"]
-  # The baseline runs where the defense transforms the forward message: not on quantities
-  # the client computes from noisy embeddings (dx_privacy), nor on gradients or training.
-  assert sorted(statuses) == ["dp_forward_epsilon8.0_delta1e-05_clip_norm6.0",
-                              "gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
+  assert sorted(statuses) == ["gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
                               "quantize_bits2", "topk_sparsity0.75"]
   # Each item's status from the study's own files: the refitted and the unaware attack's
   # excess recomputed from their predictions and truth (`_pooled`, the rule above) on the
