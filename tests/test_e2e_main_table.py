@@ -19,7 +19,7 @@ from lla.model import checkpoint as ckpt
 from lla.replay import regenerate
 from lla.evidence import rundir
 from lla.scoring import scorecard
-from lla.study import main_table, qualification
+from lla.study import defense_sweep, main_table, qualification
 
 from test_attacks_units import np_client
 
@@ -284,7 +284,7 @@ def _pooled(study: str, records) -> dict[str, tuple[float, float, int]]:
 def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
   """Each defended gate's envelope, floor, seeds, positive control and decision, recomputed
   from the study's prediction and truth files with the rule written out above."""
-  _, workdir, _ = finished
+  config, workdir, _ = finished
   study = str(workdir / main_table.STUDY)
   card = json.loads((workdir / main_table.STUDY / rundir.SCORECARD_JSON).read_text())
   records = rundir.load_records(study)
@@ -318,7 +318,10 @@ def test_tiny_gates_decide_as_the_rule_recomputed_from_the_files(finished):
     # The sample allows both decisions: 3 models x 48 documents put the floor under 1 pp.
     assert floor < _THRESHOLD_PP, (label, floor)
     assert any(r.startswith("fitting attack(s) unmeasured: bisr") for r in gate["reasons"])
-  assert len([g for g in card["gates"] if g["config"]["defense"] != "decoy_rows"]) == 7
+  # One gate per configuration of config.defenses, epsilon-parameterised ones included.
+  assert len([g for g in card["gates"] if g["config"]["defense"] != "decoy_rows"]) == len(
+      defense_sweep.configurations(config))
+  assert {"dx_privacy", "dp_forward"} <= {g["config"]["defense"] for g in card["gates"]}
   for gate in card["gates"]:
     if gate["config"]["defense"] == "decoy_rows":
       # The decoy-row configurations have no undefended run of their family (the decoy
@@ -382,7 +385,10 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
     assert item["status"] == ("pass" if aware > pooled["activation"]["excess_pp"]
                               else "partial"), item
     statuses[label] = item["status"]
-  assert sorted(statuses) == ["gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
+  # The baseline runs where the defense transforms the forward message: not on quantities
+  # the client computes from noisy embeddings (dx_privacy), nor on gradients or training.
+  assert sorted(statuses) == ["dp_forward_epsilon8.0_delta1e-05_clip_norm6.0",
+                              "gaussian_sigma0.3", "mixup_m2", "projection_enabledTrue",
                               "quantize_bits2", "topk_sparsity0.75"]
   # Each item's status from the study's own files: the refitted and the unaware attack's
   # excess recomputed from their predictions and truth (`_pooled`, the rule above) on the
