@@ -29,6 +29,8 @@ ZERO_STRENGTH = {
     "santext": dict(epsilon=None),
     "custext": dict(epsilon=None),
     "snd": dict(epsilon=None),
+    "mid": dict(lam=0.0),
+    "adversarial": dict(alpha=0.0),
 }
 
 
