@@ -114,6 +114,10 @@ ADAPTIVE_EXACT = ["quantize", "topk", "projection", "nopeek"]
 # The active tier's decoder: it replays what a hijacking server wrote during split training
 # of each family, tests/test_active_families.py.
 ACTIVE = ["fsha_decode"]
+# Adaptive attacks checked on GPT-2 only so far (tests/test_attacks_adaptive.py and the
+# defense tests): the registry declares them GPT-2's and refuses them on the RoPE families,
+# so a RoPE model's mid/adversarial/santext/custext verdict stays incomplete, not PASS.
+GPT2_ONLY = ["mid_adaptive", "adversarial_adaptive", "sanitise_adaptive"]
 MATRIX = {(a, f): ("recovers" if a in EXACT else "works") for a in RUNS for f in FAMILIES}
 MATRIX.update({(f"{d}_adaptive", f): ("recovers" if d in ADAPTIVE_EXACT else "works")
                for d in DEFENDED for f in FAMILIES if f != "gpt2"})
@@ -168,12 +172,13 @@ def test_matrix_covers_registry():
   # The built-in attacks only: other tests of the session may have registered plugins.
   builtin = [n for n in registry.names() if registry.source(n)["module"].startswith("lla.")]
   adaptive = [f"{d}_adaptive" for d in DEFENDED]
-  assert sorted(RUNS + adaptive + DEFENSE_AWARE + ACTIVE) == builtin
+  assert sorted(RUNS + adaptive + DEFENSE_AWARE + ACTIVE + GPT2_ONLY) == builtin
   for name in builtin:
     for f in FAMILIES:
       # GPT-2 runs every attack; its defended row is tests/test_attacks_adaptive.py.
-      assert (name, f) in MATRIX or f == "gpt2", (name, f)
-      assert registry.supports_family(name, f), (name, f)
+      assert (name, f) in MATRIX or f == "gpt2" or name in GPT2_ONLY, (name, f)
+      assert registry.supports_family(name, f) == (f == "gpt2" or name not in GPT2_ONLY), \
+          (name, f)
 
 
 @pytest.mark.slow

@@ -126,7 +126,7 @@ def test_recovery_columns_equal_an_in_process_replay(bench, capture):
     ws = Workspace(capture["h"], capture["g"], capture["params"], CFG, CUT,
                    capture["calibration"], batch_docs=capture["batch_docs"])
     values = {**budget_lib.defaults(), **BUDGET}
-    _, predictions, _, error = driver.execute(ws, registry.get(name).spec, values, seed=0)
+    _, predictions, _, error, _ = driver.execute(ws, registry.get(name).spec, values, seed=0)
     assert error is None, error
     # The binary predicted exactly these tokens, in another process.
     assert _sha256(predictions) == rows[name]["predictions_sha256"], name

@@ -308,7 +308,15 @@ def test_lla_checkpoint_roundtrip_records_family(ref, tmp_path):
   assert {k: loaded.info[k] for k in ("family", "format", "source_format", "dequantisation")} \
       == {"family": ref.family, "format": "lla-checkpoint", "source_format": "hf-safetensors",
           "dequantisation": "none"}
-  assert loaded.info["params_sha256"] == saved.sha256 and loaded.tokenizer_kind == "gpt2"
+  # It records no tokenizer and its vocabulary is not GPT-2's: no tokenizer cuts its text.
+  assert ref.cfg.vocab_size != loading.GPT2_VOCAB_SIZE
+  assert loaded.info["params_sha256"] == saved.sha256 and loaded.tokenizer_kind == "none"
+  with pytest.raises(loading.TokenizerPolicyError, match="records no tokenizer"):
+    loaded.text_tokenizer("--tokens_npy")
+  # Trained here on GPT-2's tokens, it records that and is cut by GPT-2's tokenizer.
+  checkpoint.save(tmp_path / "ckpt_gpt2", ref.params, ref.cfg, tokenizer=checkpoint.GPT2_TOKENS)
+  loaded = loading.load_model(ml_collections.ConfigDict({"checkpoint": str(tmp_path / "ckpt_gpt2")}))
+  assert loaded.tokenizer_kind == "gpt2"
   loaded = loading.load_model(ml_collections.ConfigDict({"hf_dir": str(restored.hf_dir)}))
   # The same weights; the export carries no tokenizer, so it declares none (another id).
   assert loaded.cfg == ref.cfg and loaded.params_sha256 == saved.sha256

@@ -191,8 +191,10 @@ def sweep_command(work: pathlib.Path, workdir: pathlib.Path, *extra: str) -> lis
 
 def comparable(record: dict) -> dict:
   """A record without what legitimately differs between runs (timing, host, who computed
-  a shared stage first)."""
-  out = {k: v for k, v in record.items() if k not in ("wall_s", "compile_s", "provenance")}
+  a shared stage first, and what XLA compiled: a worker may find an executable in the
+  shared persistent cache that the local run compiled)."""
+  out = {k: v for k, v in record.items()
+         if k not in ("wall_s", "compile_s", "jax_compile", "provenance")}
   out["stages"] = {name: {k: v for k, v in stage.items()
                           if k not in ("wall_s", "compile_s", "computed_by")}
                    for name, stage in record["stages"].items()}
