@@ -57,7 +57,6 @@ from lla.attacks.published import bisr_f
 from lla.attacks.workspace import Workspace, run_steps
 from lla.defenses.activations import clip_rows
 from lla.model import cost
-from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
 budget_lib.declare("dx_recover_steps", 400, int, low=0,
@@ -125,37 +124,12 @@ def recover_embeddings(ws: Workspace, budget) -> tuple[np.ndarray, dict, float]:
 
 
 def _doc_step(params, table, cfg, k, epsilon, prior_weight, carry, t, e_t, forced):
-  """Position t of one document's beam: every (beam, token) scored, the best `width` kept.
-
-  carry: `likelihood_beam.start`'s (client caches [W, ...], server caches [W, ...], tokens
-  [W, T], scores [W], the client rows of position t - 1 [W, d]); e_t [d] the recovered
-  embedding; forced: the known token at t, or -1.
-  """
-  client_cache, server_cache, tokens, scores, h_prev = carry
-  width, vocab = scores.shape[0], table.shape[0]
-  use_prior = prior_weight > 0
-  if use_prior:
-    prior = lambda sc, hp: likelihood_beam._server_logprobs(params, cfg, k, sc, hp, t)  # pylint: disable=protected-access
-    logp, server_kv = jax.vmap(prior)(server_cache, h_prev)            # [W, V]
-    logp = jnp.where(t > 0, logp, 0.0)
-  else:
-    logp = jnp.zeros((width, vocab))
+  """Position t of one document's beam (carry: `likelihood_beam.start`'s); e_t [d] the
+  recovered embedding; forced: the known token at t, or -1. The mechanism's cost of token
+  x is epsilon ||e_t - wte[x]||, the d_chi density's negative log up to a constant."""
   distance = jnp.sqrt(jnp.maximum(jnp.sum((table - e_t) ** 2, -1), 0.0))   # [V]
-  penalty = epsilon * distance[None] - prior_weight * logp
-  penalty = jnp.where((forced >= 0) & (jnp.arange(vocab) != forced), jnp.inf, penalty)
-  total = (scores[:, None] + penalty).reshape(-1)
-  neg_best, flat = jax.lax.top_k(-total, width)
-  beam_idx, token = flat // vocab, (flat % vocab).astype(jnp.int32)
-  parents = client_cache[beam_idx]
-  step = lambda cache, tok: split.client_step_kv(params, cfg, cache, tok, t)
-  rows, kv = jax.vmap(step)(parents, token)
-  write = jax.vmap(split.write_cache, in_axes=(0, 0, None))
-  new_server = server_cache[beam_idx]
-  if use_prior:
-    written = write(server_cache, server_kv, jnp.maximum(t - 1, 0))
-    new_server = jnp.where(t > 0, written[beam_idx], new_server)
-  new_tokens = tokens[beam_idx].at[:, t].set(token)
-  return write(parents, kv, t), new_server, new_tokens, -neg_best, rows
+  return likelihood_beam.vocabulary_step(params, cfg, k, prior_weight, carry, t,
+                                         epsilon * distance, forced)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "epsilon", "prior_weight"))

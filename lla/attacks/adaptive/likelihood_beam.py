@@ -165,6 +165,43 @@ def _doc_step(params, cfg, k, mechanism, prior_weight, carry, t, candidates, tar
   return (new_client, new_server, new_tokens, -neg_best, rows[beam_idx, rank])
 
 
+def vocabulary_step(params, cfg: GPT2Config, k: int, prior_weight: float, carry, t,
+                    mechanism_cost: jax.Array, forced: jax.Array):
+  """Position t of one document's beam over the whole vocabulary, for mechanisms whose
+  cost of a token does not depend on the beam's client rows (a token-level mechanism:
+  d_chi noise on embeddings, SanText / CusText): every (beam, token) costs
+  mechanism_cost [V] - prior_weight * log p(token | beam's prefix) and the best `width`
+  are kept. `forced`: the public token at t (every other token costs inf), or -1.
+
+  carry: `start`'s (client caches [W, ...], server caches [W, ...], tokens [W, T], scores
+  [W], the client rows of position t - 1 [W, d]); returns the next carry.
+  """
+  client_cache, server_cache, tokens, scores, h_prev = carry
+  width, vocab = scores.shape[0], mechanism_cost.shape[0]
+  use_prior = prior_weight > 0
+  if use_prior:
+    prior = lambda sc, hp: _server_logprobs(params, cfg, k, sc, hp, t)
+    logp, server_kv = jax.vmap(prior)(server_cache, h_prev)            # [W, V]
+    logp = jnp.where(t > 0, logp, 0.0)
+  else:
+    logp = jnp.zeros((width, vocab))
+  cost = mechanism_cost[None] - prior_weight * logp
+  cost = jnp.where((forced >= 0) & (jnp.arange(vocab) != forced), jnp.inf, cost)
+  neg_best, flat = jax.lax.top_k(-(scores[:, None] + cost).reshape(-1), width)
+  beam_idx, token = flat // vocab, (flat % vocab).astype(jnp.int32)
+  parents = client_cache[beam_idx]
+  rows, kv = jax.vmap(lambda cache, tok: split.client_step_kv(params, cfg, cache, tok, t))(
+      parents, token)
+  write = jax.vmap(split.write_cache, in_axes=(0, 0, None))
+  new_server = server_cache[beam_idx]
+  if use_prior:
+    # The server's cache gains position t - 1 of the surviving beams' parents.
+    written = write(server_cache, server_kv, jnp.maximum(t - 1, 0))
+    new_server = jnp.where(t > 0, written[beam_idx], new_server)
+  new_tokens = tokens[beam_idx].at[:, t].set(token)
+  return write(parents, kv, t), new_server, new_tokens, -neg_best, rows
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "width"))
 def start(target, cfg: GPT2Config, k: int, width: int):
   """The empty state of every document of target [B, T, d]."""

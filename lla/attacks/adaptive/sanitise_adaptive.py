@@ -42,7 +42,6 @@ from lla.attacks.adaptive import likelihood_beam
 from lla.attacks.workspace import Workspace, run_steps
 from lla.defenses import sanitise
 from lla.model import cost
-from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
 ADAPTS_TO = ("santext", "custext")
@@ -62,32 +61,12 @@ def mechanism_loglik(name: str, table: jax.Array, kernel, y: jax.Array,
 
 def _doc_step(params, table, kernel, cfg, k, name, epsilon, prior_weight, carry, t, y_t,
               forced):
-  """Position t of one document's refill beam (carry as `likelihood_beam.start`'s: client
-  caches, server caches, tokens [W, T], scores [W], client rows of t - 1 [W, d]); y_t the
-  recovered sanitised token, forced the public token at t or -1."""
-  client_cache, server_cache, tokens, scores, h_prev = carry
-  width, vocab = scores.shape[0], table.shape[0]
-  use_prior = prior_weight > 0
-  if use_prior:
-    prior = lambda sc, hp: likelihood_beam._server_logprobs(params, cfg, k, sc, hp, t)  # pylint: disable=protected-access
-    logp, server_kv = jax.vmap(prior)(server_cache, h_prev)            # [W, V]
-    logp = jnp.where(t > 0, logp, 0.0)
-  else:
-    logp = jnp.zeros((width, vocab))
-  cost_ = -mechanism_loglik(name, table, kernel, y_t, epsilon)[None] - prior_weight * logp
-  cost_ = jnp.where(forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, jnp.inf), cost_)
-  neg_best, flat = jax.lax.top_k(-(scores[:, None] + cost_).reshape(-1), width)
-  beam_idx, token = flat // vocab, (flat % vocab).astype(jnp.int32)
-  parents = client_cache[beam_idx]
-  rows, kv = jax.vmap(lambda cache, tok: split.client_step_kv(params, cfg, cache, tok, t))(
-      parents, token)
-  write = jax.vmap(split.write_cache, in_axes=(0, 0, None))
-  new_server = server_cache[beam_idx]
-  if use_prior:
-    written = write(server_cache, server_kv, jnp.maximum(t - 1, 0))
-    new_server = jnp.where(t > 0, written[beam_idx], new_server)
-  new_tokens = tokens[beam_idx].at[:, t].set(token)
-  return write(parents, kv, t), new_server, new_tokens, -neg_best, rows
+  """Position t of one document's refill beam (carry: `likelihood_beam.start`'s); y_t the
+  recovered sanitised token, forced the public token at t or -1. The mechanism's cost of
+  token x is -log P_mech(y_t | x)."""
+  return likelihood_beam.vocabulary_step(
+      params, cfg, k, prior_weight, carry, t,
+      -mechanism_loglik(name, table, kernel, y_t, epsilon), forced)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "name", "epsilon", "prior_weight"))
