@@ -61,7 +61,9 @@ def test_the_server_sees_dx_privacy_noise_on_clipped_rows(model):
       np.asarray(h), np.asarray(split.client_from_embeddings(params, CFG, clipped + z, K)),
       rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(D.apply(defense, h, keys)), np.asarray(h))
-  assert defense.to_record(SECRET)["params"] == {"clip_norm": 1.5, "epsilon": 5.0}
+  assert defense.to_record(SECRET)["params"] == {
+      "clip_norm": 1.5, "epsilon": 5.0, "denoiser_width": 64, "denoiser_steps": 150,
+      "denoiser_lr": 3e-3, "denoiser_seed": 0}
   with pytest.raises(D.DefenseError, match="clip_norm"):
     D.make("snd", epsilon=1.0, clip_norm=0.0)
 
@@ -89,3 +91,29 @@ def test_the_denoiser_starts_as_the_identity_and_learns(model):
   with_d = snd.corpus_cross_entropy(params, CFG, tokens[64:], K, defense, SECRET, denoiser)
   without = snd.corpus_cross_entropy(params, CFG, tokens[64:], K, defense, SECRET, None)
   assert with_d.shape == (32,) and not np.allclose(with_d, without)
+
+
+def test_heldout_utility_trains_the_denoiser_on_the_clients_documents(model):
+  """The utility the main job records for snd is the denoised client's: its defended arm
+  is the CE of the head on D(o~, z), D trained on client_tokens at the defense's public
+  settings; without the client's documents it refuses; off, it is the undefended CE."""
+  params, tokens = model
+  defense = D.make("snd", epsilon=20.0, denoiser_width=32, denoiser_steps=40)
+  cost = utility.heldout_utility(params, CFG, tokens[64:], K, defense, SECRET,
+                                 client_tokens=tokens[:64], batch_size=16, n_boot=100)
+  denoiser, losses = snd.train_denoiser(params, CFG, tokens[:64], K, defense, SECRET,
+                                        width=32, steps=40, lr=3e-3, batch_size=16, seed=0)
+  assert len(losses) == 40
+  denoised = snd.corpus_cross_entropy(params, CFG, tokens[64:], K, defense, SECRET, denoiser,
+                                      batch_size=16)
+  raw = snd.corpus_cross_entropy(params, CFG, tokens[64:], K, defense, SECRET, None,
+                                 batch_size=16)
+  assert not np.isclose(denoised.mean(), raw.mean())
+  np.testing.assert_allclose(cost["defended"]["cross_entropy"]["value"], denoised.mean(),
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="client_tokens"):
+    utility.heldout_utility(params, CFG, tokens[64:], K, defense, SECRET, batch_size=16,
+                            n_boot=10)
+  off = utility.heldout_utility(params, CFG, tokens[64:], K, D.make("snd", epsilon=None),
+                                None, batch_size=16, n_boot=10)
+  assert off["defended"]["cross_entropy"]["value"] == off["undefended"]["cross_entropy"]["value"]

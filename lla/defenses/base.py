@@ -195,6 +195,16 @@ class Defense:
     """The mechanism itself, x [B, T, d] -> [B, T, d]; only called when not `off`."""
     raise NotImplementedError
 
+  def client_cross_entropy(self, params, cfg, tokens, k: int, secret: "Secret | None", *,
+                           client_tokens, batch_size: int, first_step: int):
+    """Per-document next-token CE [N] of held-out tokens [N, T] as the defended client
+    predicts them, for a defense whose client processes what the server returns (SnD's
+    denoiser, trained first on the client's own documents client_tokens [M, T]); None for
+    every other defense: the client reads the server's logits as they are, and
+    `lla.defenses.utility` computes the CE."""
+    del params, cfg, tokens, k, secret, client_tokens, batch_size, first_step
+    return None
+
   def params(self) -> dict[str, Any]:
     """The declared public parameters."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -22,7 +22,8 @@ o_hat = o~ + D([o~_t, z_t]) position by position (D a two-layer GELU MLP of widt
 norm and the head. SnD's denoiser is a transformer over the sequence with the noisy
 input embeddings as a further input; this one is per position (a simplification: noise at
 earlier positions reaches o~_t through attention and is seen only through o~_t).
-D is trained by the client on public documents by Adam on mean_t ||o_hat_t - o_t||^2, o
+D is trained by the client on documents of its own (in the main job its fine-tuning split;
+`client_cross_entropy`, which the held-out utility calls) by Adam on mean_t ||o_hat_t - o_t||^2, o
 the model's last hidden state on the clean embeddings, with fresh noise every step (the
 paper's training on (noisy output, noise, clean output) triples).
 
@@ -58,12 +59,22 @@ class SplitAndDenoise(Defense):
 
   epsilon: float | None
   clip_norm: float | None = None
+  # The client's denoiser (`train_denoiser`): hidden width, Adam steps and learning rate,
+  # and the seed of its initialisation and batch order; public, in E like epsilon.
+  denoiser_width: int = 64
+  denoiser_steps: int = 150
+  denoiser_lr: float = 3e-3
+  denoiser_seed: int = 0
 
   def __post_init__(self):
     if self.epsilon is not None and not self.epsilon > 0:
       raise ValueError(f"epsilon={self.epsilon} must be > 0 (None: no noise)")
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm={self.clip_norm} must be > 0 (None: no clipping)")
+    if not (self.denoiser_width >= 1 and self.denoiser_steps >= 0 and self.denoiser_lr > 0):
+      raise ValueError(f"denoiser_width={self.denoiser_width}, denoiser_steps="
+                       f"{self.denoiser_steps}, denoiser_lr={self.denoiser_lr}: need a width "
+                       ">= 1, steps >= 0 and a positive learning rate")
 
   @property
   def strength(self) -> float:
@@ -84,6 +95,24 @@ class SplitAndDenoise(Defense):
   def noisy_inputs(self, table: jax.Array, tokens: jax.Array, keys: SecretKeys) -> jax.Array:
     """What the client's block 0 receives before positions: tokens [B, T] -> e' [B, T, d]."""
     return self.transform(table[tokens], keys)
+
+  def client_cross_entropy(self, params, cfg, tokens, k: int, secret: Secret | None, *,
+                           client_tokens, batch_size: int, first_step: int) -> np.ndarray:
+    """Held-out CE [N] of the SnD client: its denoiser trained on its own documents
+    client_tokens [M, T] (`train_denoiser` at this defense's public settings), then the
+    head on the denoised server output (`corpus_cross_entropy`). Off: the undefended CE."""
+    if self.off:
+      return corpus_cross_entropy(params, cfg, tokens, k, self, None, None, batch_size,
+                                  first_step)
+    if client_tokens is None:
+      raise ValueError("snd's utility needs the client's own documents to train its "
+                       "denoiser on (client_tokens)")
+    denoiser, _ = train_denoiser(params, cfg, np.asarray(client_tokens), k, self, secret,
+                                 width=self.denoiser_width, steps=self.denoiser_steps,
+                                 lr=self.denoiser_lr, batch_size=batch_size,
+                                 seed=self.denoiser_seed)
+    return corpus_cross_entropy(params, cfg, tokens, k, self, secret, denoiser, batch_size,
+                                first_step)
 
 
 def init_denoiser(key: jax.Array, d: int, width: int) -> dict:
@@ -128,12 +157,13 @@ def _train_step(params, denoiser, opt_state, tokens, keys, *, cfg, k, defense, l
 
 def train_denoiser(params, cfg, tokens: np.ndarray, k: int, defense: SplitAndDenoise,
                    secret: Secret, *, width: int, steps: int, lr: float, batch_size: int,
-                   seed: int, first_step: int = 1 << 24) -> tuple[dict, np.ndarray]:
-  """The client's denoiser, trained on its public documents tokens [N, T].
+                   seed: int, first_step: int = 1 << 26) -> tuple[dict, np.ndarray]:
+  """The client's denoiser, trained on its own documents tokens [N, T].
 
   Step s draws batch s of a seeded permutation (numpy PCG64 from `seed`) and the client's
   noise of step first_step + s (its own secret, as in deployment; far from the steps of
-  training, capture and utility). D's initial weights come from jax.random.key(seed).
+  training, utility (1 << 20) and the main job's captures (1 << 24)). D's initial weights
+  come from jax.random.key(seed).
   Returns (the denoiser's weights, the loss of every step [steps]).
   """
   rng = np.random.Generator(np.random.PCG64(seed))

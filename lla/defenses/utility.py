@@ -66,7 +66,7 @@ def _summary(samples: np.ndarray, point: float, level: float) -> dict:
 def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense,
                     secret: Secret | None, *, reference_params=None, batch_size: int = 32,
                     n_boot: int = 10_000, seed: int = 0, level: float = 0.95,
-                    first_step: int = 1 << 20) -> dict:
+                    first_step: int = 1 << 20, client_tokens=None) -> dict:
   """Held-out CE and perplexity under `defense` against the undefended model.
 
   Args:
@@ -78,6 +78,9 @@ def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense,
       training and capture, so that utility draws fresh randomness.
     reference_params: the undefended model's weights; None means the same `params` with
       the defense removed (the pure inference-time cost of a forward defense).
+    client_tokens: [M, T] the client's own documents, on which a defense with a client
+      stage after the server (`Defense.client_cross_entropy`: SnD's denoiser) trains it
+      before the held-out documents are scored; such a defense refuses None.
     n_boot, seed, level: percentile bootstrap over documents (numpy PCG64 seeded with
       `seed`); the defended and reference CE are resampled together (paired), so the
       interval of their difference reflects document-level variability only.
@@ -88,8 +91,12 @@ def heldout_utility(params, cfg: GPT2Config, tokens, k: int, defense: Defense,
     settings and the defense's public record.
   """
   reference_params = params if reference_params is None else reference_params
-  defended = corpus_cross_entropy(params, cfg, tokens, k, defense, secret, batch_size,
-                                  first_step)
+  defended = defense.client_cross_entropy(params, cfg, tokens, k, secret,
+                                          client_tokens=client_tokens, batch_size=batch_size,
+                                          first_step=first_step)
+  if defended is None:
+    defended = corpus_cross_entropy(params, cfg, tokens, k, defense, secret, batch_size,
+                                    first_step)
   reference = corpus_cross_entropy(reference_params, cfg, tokens, k, None, None, batch_size)
   n_docs = len(defended)
   resample = np.random.Generator(np.random.PCG64(seed)).integers(0, n_docs, (n_boot, n_docs))

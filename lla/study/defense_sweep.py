@@ -322,7 +322,8 @@ def run(config, workdir: pathlib.Path, captures: pathlib.Path, study: pathlib.Pa
                     "strength": defense.strength, "model_seed": target.model_seed,
                     **utility.heldout_utility(target.params, target.cfg, tokens, cut, defense,
                                               secret, reference_params=reference,
-                                              first_step=UTILITY_STEP, n_boot=2000)}
+                                              first_step=UTILITY_STEP, n_boot=2000,
+                                              client_tokens=splits.training.tokens)}
       with rundir.extending(str(study)):
         rundir.save_file(str(study), UTILITY_FILE, files.canonical_json(costs),
                          "defense_utility", overwrite=True)
