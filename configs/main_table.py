@@ -44,20 +44,24 @@ from lla.attacks import registry
 # dx_privacy's epsilons: d_chi noise on the input embeddings has E||z|| = d / epsilon, so
 # epsilon = d / (c * r) puts the noise at c times the median row norm r of the base's input
 # table; c ~ 3 (strong), 1 (paper only) and ~ 0.3 (weak). Measured: tiny (d = 32, 20
-# pre-training steps) r = 0.182. NOT measured (the embedded base's pre-training was killed
-# for memory on the shared 2-core host; GPT-2 124M's weights are not on it): cpu (d = 128)
-# assumes r ~ 1 (a 4-layer d = 32 GPT-2 pre-trained 300 steps at lr 3e-3 reads 0.89 over the
-# tokens of its evaluation documents, from 0.11 at init), paper (d = 768) r ~ 3.5. Check
-# both with np.median(np.linalg.norm(lla.model.split.input_table(params), axis=1)).
+# pre-training steps) r = 0.182; cpu (d = 128, the embedded base of fcdf38e's main job,
+# 2026-12-06): r = 0.88 over the tokens of 32 calibration passages, 0.93 over the 128
+# evaluation passages' (1.85 over the whole table, rare rows barely trained), so 400 and 40
+# put E||z|| at 0.36 r and 3.6 r. NOT measured: paper (d = 768) assumes r ~ 3.5 (GPT-2
+# 124M's weights are not on this host). Measured with `python -m experiments.defense_scales
+# --model_dir=runs/main/pretrain/checkpoint/hf --cut=6` (lla.defenses.scales).
 DX_PRIVACY_EPSILONS = {"cpu": (400.0, 40.0), "paper": (730.0, 220.0, 73.0)}
 # DP-Forward's clip_norm C: the median per-sequence Frobenius norm ||h||_F at the defense
 # cut, so that clipping shrinks about half the sequences and the server sees h at its own
 # scale (the noise scales with C: sigma = 1.20 C at epsilon 8, 7.46 C at epsilon 1, delta
-# 1e-5). Measured: tiny (k = 2) 6.1 over its 16 calibration documents. NOT measured (as
-# above): cpu (k = 6, d = 128) assumes 30; paper (k = 6) 3000, GPT-2 124M's first position
-# alone carrying a norm in the thousands there. Both are fine-tuned with the defense in the
-# loop, so the server adapts to the scale C leaves.
-DP_FORWARD_CLIP = {"cpu": 30.0, "paper": 3000.0}
+# 1e-5). Measured: tiny (k = 2) 6.1 over its 16 calibration documents; cpu (k = 6, the
+# embedded base as above) 287 over 32 calibration passages (266-306; runs before fcdf38e
+# used 30, which clipped every sequence to about a tenth of its norm: the same noise-to-
+# signal ratio for every sequence, since sigma scales with C). NOT measured: paper (k = 6)
+# assumes 3000, GPT-2 124M's first position alone carrying a norm in the thousands there.
+# Both are fine-tuned with the defense in the loop, so the server adapts to the scale C
+# leaves.
+DP_FORWARD_CLIP = {"cpu": 290.0, "paper": 3000.0}
 
 
 def _declared_defenses(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
