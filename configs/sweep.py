@@ -207,8 +207,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # defense that acts through fine-tuning (nopeek) cannot be captured here. A defense that
   # draws secrets gets the defender's own: 128 bits from the OS, drawn when its capture is
   # first made and kept in WORKDIR/defender/secrets.json (outside the captures and the
-  # study, which record its hash alone), never derived from a public value.
-  cell.defense = ml_collections.ConfigDict(dict(name="none", param="", strength=0.0))
+  # study, which record its hash alone), never derived from a public value. `strength` is
+  # the value of `param` (an epsilon for dx_privacy); `fixed` ((parameter, value), ...) the
+  # defense's other public parameters (dp_forward's delta and clip_norm, custext's top_k),
+  # as the main job's config.defenses holds them; empty leaves a cell's id as before it.
+  cell.defense = ml_collections.ConfigDict(dict(name="none", param="", strength=0.0,
+                                                fixed=()))
   cell.capture_batch_size = 32  # Documents per training batch at capture (g's loss).
   cell.attacks = ("activation",)  # Registered attack names run on the cell's capture.
   # Budget fields (lla.attacks.budget), at their defaults; a cell's identity holds only

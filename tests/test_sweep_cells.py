@@ -33,3 +33,33 @@ def test_a_grid_axis_no_attack_of_the_cell_reads_is_refused():
   grid = ((("attacks", (("ridge",),)), ("budget.tag_steps", (3,))),)
   with pytest.raises(budget_lib.BudgetError, match="tag_steps"):
     cells.expand(config({}, grid))
+
+
+def test_a_cell_defense_takes_fixed_parameters_and_an_empty_set_keeps_the_old_id():
+  c = config({}, ((("defense.name", ("dp_forward",)), ("defense.param", ("epsilon",)),
+                   ("defense.strength", (8.0,)),
+                   ("defense.fixed", ((("delta", 1e-5), ("clip_norm", 6.0)),))),))
+  [cell] = cells.expand(c)
+  defense = cells.defense_of(cell.config["defense"])
+  assert (defense.epsilon, defense.delta, defense.clip_norm) == (8.0, 1e-5, 6.0)
+  assert cells.defense_label(cell.config["defense"]) == "dp_forward_epsilon8.0_delta1e-05_clip_norm6.0"
+  # Without fixed parameters the frozen cell holds no `fixed` key: its id is the one the
+  # same cell had before cells could hold them (hashed here from the config without it).
+  plain = config({}, ((("defense.name", ("gaussian",)), ("defense.param", ("sigma",)),
+                       ("defense.strength", (0.3,))),))
+  [cell] = cells.expand(plain)
+  assert "fixed" not in cell.config["defense"]
+  without = plain.cell.to_dict()
+  del without["defense"]["fixed"]
+  without["defense"].update(name="gaussian", param="sigma", strength=0.3)
+  without["budget"] = {k: v for k, v in without["budget"].items()
+                       if k in registry.relevant_budget(without["budget"], cell.config["attacks"])}
+  assert cells.cell_id(cells.freeze(without)) == cell.cell_id
+  assert cells.defense_label(cell.config["defense"]) == "gaussian_sigma0.3"
+
+
+def test_a_fixed_parameter_the_defense_does_not_declare_is_refused_before_anything_runs():
+  c = config({}, ((("defense.name", ("gaussian",)), ("defense.param", ("sigma",)),
+                   ("defense.strength", (0.3,)), ("defense.fixed", ((("top_k", 5),),))),))
+  with pytest.raises(cells.SweepConfigError, match="top_k"):
+    cells.expand(c)

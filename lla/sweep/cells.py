@@ -26,6 +26,7 @@ import json
 
 import ml_collections
 
+from lla import defenses
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
 from lla.evidence import files
@@ -101,6 +102,9 @@ def freeze(config: dict) -> dict:
       del frozen["budget"][name]
     else:
       frozen["budget"][name] = value
+  # No fixed parameters: the id a cell had before the defense could hold any.
+  if not frozen["defense"].get("fixed"):
+    frozen["defense"].pop("fixed", None)
   # "a,b" (a command-line override) or ("a", "b"): one list of names.
   attacks = [frozen["attacks"]] if isinstance(frozen["attacks"], str) else frozen["attacks"]
   frozen["attacks"] = [a.strip() for item in attacks for a in item.split(",") if a.strip()]
@@ -153,6 +157,26 @@ def check(frozen: dict) -> None:
     raise SweepConfigError(f"knowledge {frozen['knowledge']!r}: expected public or trained")
   specs = [registry.get(name).spec for name in frozen["attacks"]]
   budget_lib.validate(frozen["budget"], specs, vocab_size=10**9)
+  if frozen["defense"]["name"] != "none":
+    try:
+      defense_of(frozen["defense"])
+    except defenses.DefenseError as e:
+      raise SweepConfigError(f"cell defense: {e}") from None
+
+
+def defense_of(d: dict) -> defenses.Defense:
+  """A cell's defense (its config's `defense`, not "none"): `param` at `strength`, plus
+  `fixed`."""
+  fixed = dict((name, value) for name, value in d.get("fixed", ()))
+  return defenses.make(d["name"], **({d["param"]: d["strength"]} if d["param"] else {}),
+                       **fixed)
+
+
+def defense_label(d: dict) -> str:
+  """A defended cell's label (its config's `defense`): `name_paramvalue`, then
+  `_paramvalue` for each fixed parameter, as lla.study.defense_sweep.Configuration's."""
+  return f"{d['name']}_{d['param']}{d['strength']}" + "".join(
+      f"_{name}{value}" for name, value in d.get("fixed", ()))
 
 
 def groups(cells: list[Cell]) -> list[list[Cell]]:

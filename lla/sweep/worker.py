@@ -25,7 +25,6 @@ import ml_collections
 import numpy as np
 
 from lla import data as data_lib
-from lla import defenses
 from lla.attacks import registry
 from lla.replay import driver as replay
 from lla.attacks.workspace import document_mesh
@@ -35,6 +34,7 @@ from lla.defenses import training
 from lla.evidence import files, rundir
 from lla.model.loading import load_model
 from lla.study import defense_sweep
+from lla.sweep import cells
 
 CAPTURES = "captures"
 STUDY = "study"
@@ -217,9 +217,8 @@ class _Defended:
   """
 
   def __init__(self, defense: dict, key_store: pathlib.Path, target: str):
-    name, param, strength = defense["name"], defense["param"], defense["strength"]
-    self.defense = defenses.make(name, **({param: strength} if param else {}))
-    self.label = f"{name}_{param}{strength}"
+    self.defense = cells.defense_of(defense)
+    self.label = cells.defense_label(defense)
     self.secret = (defense_sweep.KeyStore(key_store).secret(f"{CAPTURES}/{target}")
                    if self.defense.has_secret else None)
 
