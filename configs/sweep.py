@@ -23,6 +23,11 @@ Variants (`:ARG`):
                 the same with the fixed ladders of `FRONTIER_KNOBS` at the fixed levels of
                 `FRONTIER_LEVELS` ("paper", "cpu"), tuned to one target (issue 23's frontier,
                 kept for comparison).
+  defenses_cpu  the token-level defenses of issue 47 that act on a fixed target (SanText,
+                CusText, Split-and-Denoise), two strengths each, on the embedded target:
+                `activation` beside each one's adaptive attack, and the undefended cell, on
+                16 documents (2 CPU cores; mid and adversarial train, so they run in the
+                main job's defense sweep instead).
   test          one tiny cell; tests point `cell.target.hf_dir` and `cell.data.*_npy` at
                 their own files and set `grids`.
 
@@ -178,7 +183,8 @@ def frontier_plan(scale: str, ladders: str = "table") -> tuple[tuple, tuple, tup
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or "cpu"
-  variants = ("cpu", "frontier", "frontier_cpu", "frontier_table", "frontier_table_cpu", "test")
+  variants = ("cpu", "frontier", "frontier_cpu", "frontier_table", "frontier_table_cpu",
+              "defenses_cpu", "test")
   if variant not in variants:
     raise ValueError(f"unknown variant {variant!r}: {', '.join(variants)}")
   paper, test = variant in ("frontier", "frontier_table"), variant == "test"
@@ -244,6 +250,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cell.attacks = ("ridge", "activation", "random_candidates")
     cell.budget.c_a, cell.budget.c_g = 4, 4
     config.grids = ((("cut", (3, 6)), ("budget.candidates", (8, 16, 32)), ("seed", (0, 1))),)
+  elif variant == "defenses_cpu":
+    # Epsilons on the embedded base (d = 128, median input-row norm r = 0.88 over document
+    # tokens, experiments.defense_scales): SanText's P(y | x) ~ exp(-epsilon d(x, y) / 2)
+    # over rows ~1.2 apart keeps most tokens at 80 and few at 40 (the tiny model's 400 / 200
+    # at its r = 0.18); CusText's utility scores lie in [0, 1] whatever the scale, so its
+    # epsilons are bench_sanitise's; SnD's noise is dx_privacy's at the main job's cpu
+    # epsilons (E||z|| = 0.36 r and 3.6 r).
+    def defended(name, strengths, attacks, fixed=()):
+      return (("defense.name", (name,)), ("defense.param", ("epsilon",)),
+              ("defense.strength", strengths), ("defense.fixed", (fixed,)),
+              ("attacks", (attacks,)))
+    config.grids = ((("attacks", (("activation",),)),),
+                    defended("santext", (80.0, 40.0), ("activation", "sanitise_adaptive")),
+                    defended("custext", (20.0, 5.0), ("activation", "sanitise_adaptive"),
+                             (("top_k", 20),)),
+                    defended("snd", (400.0, 40.0), ("activation", "dx_privacy_adaptive")))
   elif variant.startswith("frontier"):
     scale = "paper" if paper else "cpu"
     config.frontier.ladders = "table" if "table" in variant else "target"

@@ -63,3 +63,19 @@ def test_a_fixed_parameter_the_defense_does_not_declare_is_refused_before_anythi
                    ("defense.strength", (0.3,)), ("defense.fixed", ((("top_k", 5),),))),))
   with pytest.raises(cells.SweepConfigError, match="top_k"):
     cells.expand(c)
+
+
+def test_the_defenses_variant_runs_each_defense_with_the_attack_that_adapts_to_it():
+  registry.load_builtin()
+  expanded = cells.expand(sweep.get_config("defenses_cpu"))
+  defended = [c for c in expanded if c.config["defense"]["name"] != "none"]
+  assert len(expanded) == 7 and len(defended) == 6
+  for cell in defended:
+    defense = cells.defense_of(cell.config["defense"])
+    adaptive = [a for a in cell.config["attacks"]
+                if defense.name in registry.get(a).spec.adapts_to]
+    assert len(adaptive) == 1 and "activation" in cell.config["attacks"], cell.config
+  assert sorted({(c.config["defense"]["name"], c.config["defense"]["strength"])
+                 for c in defended}) == [("custext", 5.0), ("custext", 20.0),
+                                         ("santext", 40.0), ("santext", 80.0),
+                                         ("snd", 40.0), ("snd", 400.0)]
