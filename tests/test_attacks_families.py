@@ -105,7 +105,16 @@ DEFENDED = {
     "projection": ({"kind": "haar"}, False), "gaussian": ({"sigma": 0.05}, False),
     "mixup": ({"m": 2}, False), "nopeek": ({"alpha": 0.5}, True),
     "dp_forward": ({"epsilon": 3e4, "delta": 1e-5, "clip_norm": 2.0}, False),
-    "dx_privacy": ({"epsilon": 300.0}, False)}
+    "dx_privacy": ({"epsilon": 300.0}, False),
+    "santext": ({"epsilon": 5.0}, False), "custext": ({"epsilon": 2.0, "top_k": 4}, False)}
+# The adaptive attack of each defended capture: `<defense>_adaptive` unless named here.
+ADAPTIVE_OF = {"santext": "sanitise_adaptive", "custext": "sanitise_adaptive"}
+
+
+def adaptive_of(defense: str) -> str:
+  return ADAPTIVE_OF.get(defense, f"{defense}_adaptive")
+
+
 DEFENSE_AWARE = ["activation_defense_aware", "joint_defense_aware"]
 # The baselines read the mechanism only through their calibration mimic (lla.defenses.aware):
 # one defended capture per family exercises them (the gaussian one: a draw of noise).
@@ -116,10 +125,10 @@ ADAPTIVE_EXACT = ["quantize", "topk", "projection", "nopeek"]
 ACTIVE = ["fsha_decode"]
 # Adaptive attacks checked on GPT-2 only so far (tests/test_attacks_adaptive.py and the
 # defense tests): the registry declares them GPT-2's and refuses them on the RoPE families,
-# so a RoPE model's mid/adversarial/santext/custext verdict stays incomplete, not PASS.
-GPT2_ONLY = ["mid_adaptive", "adversarial_adaptive", "sanitise_adaptive"]
+# so a RoPE model's mid/adversarial verdict stays incomplete, not PASS.
+GPT2_ONLY = ["mid_adaptive", "adversarial_adaptive"]
 MATRIX = {(a, f): ("recovers" if a in EXACT else "works") for a in RUNS for f in FAMILIES}
-MATRIX.update({(f"{d}_adaptive", f): ("recovers" if d in ADAPTIVE_EXACT else "works")
+MATRIX.update({(adaptive_of(d), f): ("recovers" if d in ADAPTIVE_EXACT else "works")
                for d in DEFENDED for f in FAMILIES if f != "gpt2"})
 MATRIX.update({(a, f): "works" for a in DEFENSE_AWARE for f in FAMILIES if f != "gpt2"})
 MATRIX.update({(a, f): "works" for a in ACTIVE for f in FAMILIES if f != "gpt2"})
@@ -171,7 +180,7 @@ def test_matrix_covers_registry():
   registry declares."""
   # The built-in attacks only: other tests of the session may have registered plugins.
   builtin = [n for n in registry.names() if registry.source(n)["module"].startswith("lla.")]
-  adaptive = [f"{d}_adaptive" for d in DEFENDED]
+  adaptive = sorted({adaptive_of(d) for d in DEFENDED})
   assert sorted(RUNS + adaptive + DEFENSE_AWARE + ACTIVE + GPT2_ONLY) == builtin
   for name in builtin:
     for f in FAMILIES:
@@ -230,7 +239,7 @@ def test_defended_matrix(family):
             params, cfg, tokens, K, defense, secret, B, training=True, fine_tuned=fine_tuned),
         defense=defense_name, defense_seed_sha256=secret.sha256 if secret else "",
         defense_params=defense_sweep.public_params(defense, secret, "test", fine_tuned))
-    attacks = [f"{defense_name}_adaptive"]
+    attacks = [adaptive_of(defense_name)]
     run = root / f"run_{defense_name}"
     records = replay.replay(str(run), str(cap), attacker, attacks, relevant(BUDGET, attacks),
                             seed=0, mesh=None)
@@ -244,10 +253,10 @@ def test_defended_matrix(family):
     assert all(r.status == "ok" for r in records), [(r.attack, r.status, r.error)
                                                       for r in records]
     assert len(records) == 1 + (len(DEFENSE_AWARE) if defense_name == AWARE_ON else 0)
-    adaptive = np.load(run / "predictions" / f"{defense_name}_adaptive.npy")
+    adaptive = np.load(run / "predictions" / f"{adaptive_of(defense_name)}.npy")
     assert adaptive.shape == (B, T) and adaptive.dtype == np.int32
     if defense_name in ADAPTIVE_EXACT:
-      assert MATRIX[(f"{defense_name}_adaptive", name)] == "recovers"
+      assert MATRIX[(adaptive_of(defense_name), name)] == "recovers"
       np.testing.assert_array_equal(adaptive, tokens, err_msg=f"{name} {defense_name}")
     if defense_name == "mixup":  # every row's documents linked and unmixed
       details = next(r.details for r in records if r.attack == "mixup_adaptive")
