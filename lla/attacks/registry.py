@@ -329,7 +329,7 @@ ROPE_FAMILIES_VERIFIED = frozenset({
     "bisr_f", "bisr_b", "bisr", "eia", "tag", "lamp",
     "gaussian_adaptive", "mixup_adaptive", "nopeek_adaptive", "projection_adaptive",
     "quantize_adaptive", "topk_adaptive", "dp_forward_adaptive", "dx_privacy_adaptive",
-    "sanitise_adaptive", "mid_adaptive",
+    "sanitise_adaptive", "mid_adaptive", "adversarial_adaptive",
     "activation_defense_aware",
     "joint_defense_aware",
     "fsha_decode"})
