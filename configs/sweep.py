@@ -252,17 +252,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.grids = ((("cut", (3, 6)), ("budget.candidates", (8, 16, 32)), ("seed", (0, 1))),)
   elif variant == "defenses_cpu":
     # Epsilons on the embedded base (d = 128, median input-row norm r = 0.88 over document
-    # tokens, experiments.defense_scales): SanText's P(y | x) ~ exp(-epsilon d(x, y) / 2)
-    # over rows ~1.2 apart keeps most tokens at 80 and few at 40 (the tiny model's 400 / 200
-    # at its r = 0.18); CusText's utility scores lie in [0, 1] whatever the scale, so its
-    # epsilons are bench_sanitise's; SnD's noise is dx_privacy's at the main job's cpu
-    # epsilons (E||z|| = 0.36 r and 3.6 r).
+    # tokens, experiments.defense_scales). SanText's P(y | x) ~ exp(-epsilon d(x, y) / 2):
+    # at 80 and 40 it replaced no token that changed `activation`'s recovery (81.64% and
+    # 78.91% against 81.64% undefended, 16 documents, 2026-12-06), so it runs at 10 and 5.
+    # CusText's utility scores lie in [0, 1] whatever the scale, so its epsilons are
+    # bench_sanitise's; SnD's noise is dx_privacy's at the main job's cpu epsilons
+    # (E||z|| = 0.36 r and 3.6 r).
     def defended(name, strengths, attacks, fixed=()):
       return (("defense.name", (name,)), ("defense.param", ("epsilon",)),
               ("defense.strength", strengths), ("defense.fixed", (fixed,)),
               ("attacks", (attacks,)))
     config.grids = ((("attacks", (("activation",),)),),
-                    defended("santext", (80.0, 40.0), ("activation", "sanitise_adaptive")),
+                    defended("santext", (10.0, 5.0), ("activation", "sanitise_adaptive")),
                     defended("custext", (20.0, 5.0), ("activation", "sanitise_adaptive"),
                              (("top_k", 20),)),
                     defended("snd", (400.0, 40.0), ("activation", "dx_privacy_adaptive")))

@@ -77,5 +77,5 @@ def test_the_defenses_variant_runs_each_defense_with_the_attack_that_adapts_to_i
     assert len(adaptive) == 1 and "activation" in cell.config["attacks"], cell.config
   assert sorted({(c.config["defense"]["name"], c.config["defense"]["strength"])
                  for c in defended}) == [("custext", 5.0), ("custext", 20.0),
-                                         ("santext", 40.0), ("santext", 80.0),
+                                         ("santext", 5.0), ("santext", 10.0),
                                          ("snd", 40.0), ("snd", 400.0)]
