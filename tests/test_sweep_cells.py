@@ -42,7 +42,8 @@ def test_a_cell_defense_takes_fixed_parameters_and_an_empty_set_keeps_the_old_id
   [cell] = cells.expand(c)
   defense = cells.defense_of(cell.config["defense"])
   assert (defense.epsilon, defense.delta, defense.clip_norm) == (8.0, 1e-5, 6.0)
-  assert cells.defense_label(cell.config["defense"]) == "dp_forward_epsilon8.0_delta1e-05_clip_norm6.0"
+  assert (cells.defense_label(cell.config["defense"])
+          == "dp_forward_epsilon8.0_delta1e-05_clip_norm6.0")
   # Without fixed parameters the frozen cell holds no `fixed` key: its id is the one the
   # same cell had before cells could hold them (hashed here from the config without it).
   plain = config({}, ((("defense.name", ("gaussian",)), ("defense.param", ("sigma",)),

@@ -23,9 +23,10 @@ norm and the head. SnD's denoiser is a transformer over the sequence with the no
 input embeddings as a further input; this one is per position (a simplification: noise at
 earlier positions reaches o~_t through attention and is seen only through o~_t).
 D is trained by the client on documents of its own (in the main job its fine-tuning split;
-`client_cross_entropy`, which the held-out utility calls) by Adam on mean_t ||o_hat_t - o_t||^2, o
-the model's last hidden state on the clean embeddings, with fresh noise every step (the
-paper's training on (noisy output, noise, clean output) triples).
+`client_cross_entropy`, which the held-out utility calls) by Adam on
+mean_t ||o_hat_t - o_t||^2, o the model's last hidden state on the clean embeddings, with
+fresh noise every step (the paper's training on (noisy output, noise, clean output)
+triples).
 
 strength = 1 / epsilon; epsilon = None is the undefended client (no noise, no clipping, no
 denoiser): the defended forward is the undefended one bit for bit.
