@@ -26,22 +26,25 @@ def pytest_configure(config):
   (tests/test_runtime_compilation_cache.py)."""
   from lla import runtime
 
-  _tune_xdist_workers_malloc()
+  _tune_xdist_workers_malloc(config)
   _pin_xdist_worker()
   directory = tempfile.mkdtemp(prefix="lla-test-xla-")
   config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
   runtime.configure(directory)
 
 
-def _tune_xdist_workers_malloc() -> None:
+def _tune_xdist_workers_malloc(config) -> None:
   """pytest-xdist's workers run execnet's threads before they import lla, so glibc gives
   those threads arenas of their own, which XLA:CPU's threads then share and where every
   block over 64 MiB is mapped afresh (lla/allocator.py): the e2e main job faulted 68 M
   pages in a worker against 5.3 M alone. The controller, which starts the workers after
-  this hook, hands them glibc's arena limit in their environment."""
+  this hook, hands them glibc's arena limit in their environment. Without workers (no
+  `-n`, or `-n 0`) the environment is left alone: the tests' own process started without
+  the limit, and the binaries it starts must run as it does (a regenerated record would
+  otherwise name the difference, tests/test_attacks_replay.py)."""
   from lla import allocator
 
-  if "PYTEST_XDIST_WORKER" not in os.environ:
+  if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
     os.environ.update(allocator.environment_for_workers())
 
 

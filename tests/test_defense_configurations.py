@@ -15,7 +15,8 @@ from lla.replay import driver as replay
 from lla.study import defense_sweep, report
 
 VARIANTS = ("cpu", "tiny", "paper", "cpu_llama", "tiny_llama", "cpu_smollm2", "paper_qwen3",
-            "paper_llama32")
+            "paper_llama32", "cpu_field_defenses")
+FIELD_DEFENSES = {"santext", "custext", "snd", "mid", "adversarial"}
 
 
 def _config(entries, finetune=()) -> ml_collections.ConfigDict:
@@ -76,7 +77,18 @@ def test_every_variant_builds_its_defenses_and_declares_them(variant):
   names = {c.name for c in configurations}
   assert names <= set(config.scoring.threat_space.defenses)
   assert set(config.defense_finetune) <= set(defenses.names())
-  if variant != "cpu_smollm2":
+  if variant == "cpu_field_defenses":
+    # The field's five defenses alone, two strengths each, every one fine-tuned with the
+    # target; `cpu`'s published and FLOP-matched attacks stay off the defended captures.
+    assert names == FIELD_DEFENSES
+    assert sorted(c.name for c in configurations) == sorted(list(FIELD_DEFENSES) * 2)
+    assert set(config.defense_finetune) == FIELD_DEFENSES
+    cpu = main_table_config.get_config("cpu")
+    assert config.defense_skip_attacks == cpu.defense_skip_attacks
+    assert "sipit" in config.defense_skip_attacks and config.published.attacks == ()
+    for field in ("data", "finetune", "settings", "attacks", "defense_cut", "defense_docs"):
+      assert config[field] == cpu[field], field
+  elif variant != "cpu_smollm2":
     assert {"dx_privacy", "dp_forward"} <= names
     # Both ends of the sweep are measured: one strength on tiny, two on cpu, three on paper.
     per = {n: sum(c.name == n for c in configurations) for n in ("dx_privacy", "dp_forward")}

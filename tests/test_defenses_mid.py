@@ -78,6 +78,30 @@ def test_init_is_a_secret_orthonormal_projection():
   assert not np.allclose(q, np.asarray(other["mu"]["kernel"]))
 
 
+def test_defense_aware_mimic_is_the_mechanism_at_the_attackers_own_initialisation():
+  """The defense-aware baselines' calibration mimic: a projection onto the b-dimensional
+  subspace the ATTACKER's seed draws (the defender's trained weights are secret), plus noise
+  of std init_std per bottleneck coordinate; never an error, never the defender's weights."""
+  from lla.defenses import aware  # pylint: disable=g-import-not-at-top
+  params = {"lam": 1.0, "width": 6, "init_std": 1e-4, "label": "mid_lam1.0"}
+  h = np.random.default_rng(0).standard_normal((5, T, 16)).astype(np.float32)
+  sent = aware.calibration_transform("mid", params, attacker_seed=3)(h)
+  # Q from the attacker's own key: an orthonormal 16 x 6 basis, h' ~= h Q Q^T.
+  q = np.asarray(mid.init_weights(D.Secret.explicit(3).keys("mid").persistent, 16, 6, 1e-4)
+                 ["mu"]["kernel"], np.float64)
+  np.testing.assert_allclose(sent, h @ q @ q.T, atol=1e-3)
+  assert np.linalg.matrix_rank(sent.reshape(-1, 16).astype(np.float64), tol=1e-2) == 6
+  other = aware.calibration_transform("mid", params, attacker_seed=4)(h)
+  assert np.abs(other - sent).max() > 0.1  # another seed, another subspace
+  # The noise: for h = 0, h' = z Q^T with z ~ N(0, init_std^2 I_b), so E||h'||^2 = b std^2
+  # per position; a chi-square with 5 * T * 6 degrees of freedom around it.
+  loud = dict(params, init_std=0.5)
+  zero = aware.calibration_transform("mid", loud, attacker_seed=3)(np.zeros_like(h))
+  dof = 5 * T * 6
+  statistic = float(np.sum(zero.astype(np.float64) ** 2) / 0.25)
+  assert stats.chi2.cdf(statistic, dof) > 1e-3 and stats.chi2.sf(statistic, dof) > 1e-3
+
+
 def test_zero_strength_is_the_undefended_path_bit_for_bit(base):
   tokens = markov_tokens(4, 1)
   off = D.make("mid", lam=0.0, width=8)

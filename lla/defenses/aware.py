@@ -3,11 +3,14 @@
 A defense-aware attacker knows the mechanism and its public parameters and passes its
 public calibration activations through the same mechanism with randomness of its own
 (`attacker_seed`, recorded in E.K; independent of the defender's secret, which it never
-sees), then fits its decoder on them.
+sees), then fits its decoder on them. A defense with trained weights of its own (MID's
+bottleneck) is mimicked with weights at their initialisation drawn from that randomness
+(`mimic`): the defender's trained weights are its secret.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from lla.defenses import base
@@ -28,4 +31,6 @@ def calibration_transform(name: str, params: dict, attacker_seed: int):
   if defense.acts_on != "activations":
     return None
   keys = base.Secret.explicit(attacker_seed).keys(name, 0) if defense.has_secret else None
+  if getattr(defense, "params_key", None) is not None:
+    return lambda h: np.asarray(defense.mimic(jnp.asarray(h), keys))
   return lambda h: np.asarray(base.apply(defense, h, keys))

@@ -212,6 +212,15 @@ class Mid(Defense):
     """lam * KL of the bottleneck's posterior at h [B, T, d] (the client's own term)."""
     return self.lam * kl_term(*encode(weights_of(params), h), h.shape[-1])
 
+  def mimic(self, h: jax.Array, keys: SecretKeys) -> jax.Array:
+    """h' [N, T, d] for h [N, T, d] through a bottleneck at its initialisation drawn from
+    `keys` (the persistent key draws Q, the step key the noise): the mechanism as one who
+    knows it and its public parameters but not the defender's trained, secret weights can
+    run it. The defense-aware baselines' calibration mimic (lla.defenses.aware)."""
+    d = h.shape[-1]
+    weights = init_weights(keys.persistent, d, self.bottleneck_width(d), self.init_std)
+    return sample(weights, h, keys.step).astype(h.dtype)
+
   def transform(self, x, keys):
     raise DefenseError("mid: its bottleneck weights live in the defended model's params; "
                        "use lla.defenses.training.forward_message or batched_messages")
