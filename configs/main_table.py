@@ -326,6 +326,12 @@ def _field_defenses(config: ml_collections.ConfigDict) -> None:
   config.defense_finetune = tuple(entry[0] for entry in config.defenses)
   config.scoring = _declared_defenses(config)
   config.published.attacks = ()  # (defense_skip_attacks keeps `cpu`'s: they stay skipped)
+  # adversarial_adaptive's classifier inverter is a softmax over GPT-2's 50,257 tokens on
+  # every calibration row, through two clients: ~80 GFLOP a step at its defaults (256 wide,
+  # 200 steps), minutes per defended capture on 2 cores. Cut 16x (recorded in E.B), as
+  # `cpu` cuts the published attacks' steps.
+  config.budget.adversarial_inverter_hidden = 64
+  config.budget.adversarial_inverter_steps = 50
   config.corpus_study.corpora = ()
   config.frontier.enabled = False
   config.active.enabled = False
