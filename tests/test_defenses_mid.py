@@ -284,3 +284,46 @@ def test_mid_adaptive():
   adapted, plain = rate("mid_adaptive"), rate("activation")
   print(f"\nmid_adaptive {adapted:.3f} vs activation {plain:.3f} (b=24, init_std=0.02)")
   assert adapted > plain + 0.2
+
+
+@pytest.mark.slow
+def test_defense_aware_baseline_replays_a_mid_capture():
+  """`activation_defense_aware` on a MID capture fits on its calibration passed through a
+  bottleneck of its own (the mechanism at the attacker's initialisation; it crashed before
+  Defense.mimic): its calibration is that bottleneck's output, not the victim's secret
+  one's, and its predictions are those of a decoder fitted on it, not `activation`'s."""
+  import ml_collections
+  from lla.attacks import registry
+  from lla.attacks.workspace import Workspace
+  from lla.defenses import aware
+  from test_attacks_units import random_params
+  registry.load_builtin()
+  cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=16, n_head=2, n_layer=2)
+  k = 1
+  params = random_params(cfg, seed=3, std=0.05)
+  rng = np.random.default_rng(3)
+  cal = rng.integers(0, cfg.vocab_size, (24, 8)).astype(np.int32)
+  truth = rng.integers(0, cfg.vocab_size, (6, 8)).astype(np.int32)
+  defense = D.make("mid", lam=1.0, width=8, init_std=0.02)
+  victim = {**params, "mid": defense.init_weights(cfg, SECRET)}
+  messages, _ = training.batched_messages(victim, cfg, truth, k, defense, SECRET, 6, False)
+  transform = aware.calibration_transform("mid", defense.params(), attacker_seed=0)
+  h_cal = np.asarray(split.client(params, cfg, jnp.asarray(cal), k))
+  mimicked = transform(h_cal)
+  # The attacker's bottleneck is rank 8 < d = 16 with a decoder Q^T of its own: its noise-free
+  # part lies in Q's column space, which is not the victim's (the secret's) Q.
+  mine = np.asarray(mid.init_weights(D.Secret.explicit(0).keys("mid", 0).persistent, 16, 8,
+                                     0.02)["decoder"]["kernel"], np.float64).T
+  secret_q = np.asarray(victim["mid"]["decoder"]["kernel"], np.float64).T
+  outside = lambda q, x: np.linalg.norm(x - x @ q @ q.T) / np.linalg.norm(x)
+  flat = mimicked.reshape(-1, 16).astype(np.float64)
+  assert mimicked.shape == h_cal.shape and outside(mine, flat) < 1e-5
+  assert outside(secret_q, flat) > 0.1
+  budget = ml_collections.ConfigDict(dict(candidates=8, beam_width=2, ridge_alpha=1e-3))
+  run = lambda name, **extra: registry.execute(
+      name, Workspace(messages, None, mid.without_weights(victim), cfg, k, cal,
+                      defense={"name": "mid", "params": defense.params()}, **extra),
+      budget, jax.random.key(0))[0].predictions
+  aware_predictions = run("activation_defense_aware", calibration_transform=transform)
+  assert aware_predictions.shape == truth.shape
+  assert not np.array_equal(aware_predictions, run("activation"))

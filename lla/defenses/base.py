@@ -195,6 +195,13 @@ class Defense:
     """The mechanism itself, x [B, T, d] -> [B, T, d]; only called when not `off`."""
     raise NotImplementedError
 
+  def mimic(self, x: jax.Array, keys: SecretKeys | None) -> jax.Array:
+    """The mechanism as a defense-aware attacker runs it on its own calibration activations
+    x [N, T, d], with `keys` of its own (lla.defenses.aware): `apply`, for a defense whose
+    public parameters define it. A defense with trained weights of its own overrides this
+    (they are the defender's secret)."""
+    return apply(self, x, keys)
+
   def client_cross_entropy(self, params, cfg, tokens, k: int, secret: "Secret | None", *,
                            client_tokens, batch_size: int, first_step: int):
     """Per-document next-token CE [N] of held-out tokens [N, T] as the defended client

@@ -200,9 +200,10 @@ class Mid(Defense):
 
   def init_weights(self, cfg, secret: Secret) -> dict:
     """The bottleneck at the start of the defended fine-tune, from the secret."""
-    d = cfg.n_embd
-    return init_weights(secret.keys(self.name).persistent, d, self.bottleneck_width(d),
-                        self.init_std)
+    return self._weights_at_init(secret.keys(self.name).persistent, cfg.n_embd)
+
+  def _weights_at_init(self, persistent: jax.Array, d: int) -> dict:
+    return init_weights(persistent, d, self.bottleneck_width(d), self.init_std)
 
   def wire(self, params, h: jax.Array, keys: SecretKeys) -> jax.Array:
     """h' [B, T, d] the server receives for h [B, T, d], the noise from the step key."""
@@ -217,9 +218,8 @@ class Mid(Defense):
     `keys` (the persistent key draws Q, the step key the noise): the mechanism as one who
     knows it and its public parameters but not the defender's trained, secret weights can
     run it. The defense-aware baselines' calibration mimic (lla.defenses.aware)."""
-    d = h.shape[-1]
-    weights = init_weights(keys.persistent, d, self.bottleneck_width(d), self.init_std)
-    return sample(weights, h, keys.step).astype(h.dtype)
+    return sample(self._weights_at_init(keys.persistent, h.shape[-1]), h,
+                  keys.step).astype(h.dtype)
 
   def transform(self, x, keys):
     raise DefenseError("mid: its bottleneck weights live in the defended model's params; "
