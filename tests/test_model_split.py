@@ -192,3 +192,19 @@ def test_scanned_program_does_not_grow_with_depth():
       dots[form, n_layer] = text.count("dot_general")
   assert dots["stacked", 3] == dots["stacked", 7]
   assert dots["named", 7] == 3 * dots["named", 3]
+
+
+def test_captures_run_the_stacked_layers(tokens, monkeypatch):
+  """A capture computes its messages with the computation form (one scanned layer body per
+  cut), equal to the named tree's per training batch within 1e-6 relative."""
+  from lla.capture import capture
+  named = random_params(CFG, seed=2)
+  seen, original = [], split.boundary_messages
+  monkeypatch.setattr(split, "boundary_messages",
+                      lambda p, *args: seen.append(set(p)) or original(p, *args))
+  h, g = capture.boundary_messages_batched(named, CFG, np.asarray(tokens), K, 2, True)
+  assert len(seen) == 2 and all("layer_stack" in keys and "h_0" not in keys for keys in seen)
+  for start in (0, 2):  # the loss, hence g, is the mean over each training batch
+    ref_h, ref_g = original(named, CFG, tokens[start:start + 2], K)
+    assert_close(h[start:start + 2], ref_h, 1e-6, "h")
+    assert_close(g[start:start + 2], ref_g, 1e-6, "g")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lla.capture import store
+from lla.model import layer_stack
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 from lla.protocol import tuple as protocol
@@ -22,7 +23,12 @@ from lla.protocol import tuple as protocol
 
 def boundary_messages_batched(params, cfg: GPT2Config, tokens: np.ndarray, cut: int,
                               batch_size: int, training: bool):
-  """(h [B, T, d], g [B, T, d] or None) computed one training batch at a time."""
+  """(h [B, T, d], g [B, T, d] or None) computed one training batch at a time.
+
+  The model runs on the computation form of `params` (its layers stacked, one scanned layer
+  body: the program's size does not grow with the cut or the depth), made here for this
+  capture alone rather than cached beside the caller's tree."""
+  params = layer_stack.stack(params, cfg.n_layer)
   hs, gs = [], []
   for start in range(0, tokens.shape[0], batch_size):
     batch = jnp.asarray(tokens[start:start + batch_size])

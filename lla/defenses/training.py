@@ -33,6 +33,7 @@ from lla.defenses.base import Defense, DefenseError, Secret, SecretKeys, apply, 
 from lla.defenses.gradients import guard_gradient
 from lla.defenses.mid import Mid
 from lla.defenses.nopeek import NoPeek
+from lla.model import layer_stack
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
@@ -158,6 +159,8 @@ def batched_messages(params, cfg: GPT2Config, tokens: np.ndarray, k: int, defens
     DefenseError: see `check_capturable`.
   """
   check_capturable(defense, secret, training, fine_tuned)
+  # The layers stacked for this capture (lla.capture.capture.boundary_messages_batched).
+  params = layer_stack.stack(params, cfg.n_layer)
   hs, gs = [], []
   for step, start in enumerate(range(0, tokens.shape[0], batch_size)):
     batch = jnp.asarray(tokens[start:start + batch_size])

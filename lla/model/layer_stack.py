@@ -15,7 +15,8 @@ layer's weights on every call, which on CPU made the one-token step 3x slower
 (docs/benchmarks.md section 16). `computation_form` caches the stack of a tree, so that a
 caller converts each model once. On CPU the scanned one-token step is still slower than the
 unrolled one (each iteration copies its layer's weights out of the stack; section 16), so
-the callers (capture, the attacks' workspace) still pass the HF-named tree.
+the attacks' workspace still passes the HF-named tree; the captures (many rows per call,
+where the copy is hidden, and one program per cut) run on the stack.
 
 XLA's cost analysis counts a while loop's body once: the loops are named (`LOOP_SCOPE`) so
 that a FLOP meter can add their other iterations (as 7f1153e's
