@@ -250,6 +250,23 @@ def test_finetune_keeps_the_weights_beside_the_checkpoint(base, tmp_path):
   assert made.metadata["defense_weights_sha256"] == mid.weights_sha256(made.params["mid"])
 
 
+def _mid_capture(cfg, k, seed, width, sizes):
+  """A MID inference capture of a tiny random GPT-2 (weights std 0.05) with the bottleneck at
+  its secret initialisation (init_std 0.02): (defense, victim params, calibration tokens,
+  true tokens, messages); sizes = (calibration documents, captured documents, tokens)."""
+  from test_attacks_units import random_params
+  num_cal, num_docs, seq_len = sizes
+  params = random_params(cfg, seed=seed, std=0.05)
+  rng = np.random.default_rng(seed)
+  cal = rng.integers(0, cfg.vocab_size, (num_cal, seq_len)).astype(np.int32)
+  truth = rng.integers(0, cfg.vocab_size, (num_docs, seq_len)).astype(np.int32)
+  defense = D.make("mid", lam=1.0, width=width, init_std=0.02)
+  victim = {**params, "mid": defense.init_weights(cfg, SECRET)}
+  messages, _ = training.batched_messages(victim, cfg, truth, k, defense, SECRET, num_docs,
+                                          False)
+  return defense, victim, cal, truth, messages
+
+
 @pytest.mark.slow
 def test_mid_adaptive():
   """On a MID capture (b = 24 < d = 32, victim weights at their secret initialisation, a tiny
@@ -260,17 +277,10 @@ def test_mid_adaptive():
   from lla.attacks import registry
   from lla.attacks.adaptive import mid_adaptive
   from lla.attacks.workspace import Workspace
-  from test_attacks_units import random_params
   registry.load_builtin()
   cfg = GPT2Config(vocab_size=512, n_positions=16, n_embd=32, n_head=4, n_layer=3)
   k = 2
-  params = random_params(cfg, seed=5, std=0.05)
-  rng = np.random.default_rng(5)
-  cal = rng.integers(0, cfg.vocab_size, (48, 10)).astype(np.int32)
-  truth = rng.integers(0, cfg.vocab_size, (16, 10)).astype(np.int32)
-  defense = D.make("mid", lam=1.0, width=24, init_std=0.02)
-  victim = {**params, "mid": defense.init_weights(cfg, SECRET)}
-  messages, _ = training.batched_messages(victim, cfg, truth, k, defense, SECRET, 16, False)
+  defense, victim, cal, truth, messages = _mid_capture(cfg, k, 5, 24, (48, 16, 10))
   u = mid_adaptive.decoder_subspace(messages, 24)
   q = np.asarray(victim["mid"]["decoder"]["kernel"], np.float64).T
   assert np.linalg.norm(u @ u.T - q @ q.T) < 1e-4
@@ -296,17 +306,11 @@ def test_defense_aware_baseline_replays_a_mid_capture():
   from lla.attacks import registry
   from lla.attacks.workspace import Workspace
   from lla.defenses import aware
-  from test_attacks_units import random_params
   registry.load_builtin()
   cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=16, n_head=2, n_layer=2)
   k = 1
-  params = random_params(cfg, seed=3, std=0.05)
-  rng = np.random.default_rng(3)
-  cal = rng.integers(0, cfg.vocab_size, (24, 8)).astype(np.int32)
-  truth = rng.integers(0, cfg.vocab_size, (6, 8)).astype(np.int32)
-  defense = D.make("mid", lam=1.0, width=8, init_std=0.02)
-  victim = {**params, "mid": defense.init_weights(cfg, SECRET)}
-  messages, _ = training.batched_messages(victim, cfg, truth, k, defense, SECRET, 6, False)
+  defense, victim, cal, truth, messages = _mid_capture(cfg, k, 3, 8, (24, 6, 8))
+  params = mid.without_weights(victim)
   transform = aware.calibration_transform("mid", defense.params(), attacker_seed=0)
   h_cal = np.asarray(split.client(params, cfg, jnp.asarray(cal), k))
   mimicked = transform(h_cal)
