@@ -12,7 +12,11 @@ FLOPs are XLA's cost analysis of that very executable, added once per invocation
 attack's FLOPs are therefore what it executed, loops included: XLA counts a loop body once,
 so a loop either runs from Python, each iteration counted, or as one `Workspace.scan`,
 whose executable is nothing but the loop and is charged its body's count times the trip
-count (tested equal to the per-iteration sum). Shared
+count (tested equal to the per-iteration sum). One exception: rows that a call is padded
+with only so that fewer row counts compile (SipIt's buckets of documents still searching)
+are not the attack's work, and such a call is charged its real rows' share of XLA's count
+(`real_fraction`; tested against the same search run unpadded). The chunks of
+`map_documents`, padded to one size, are still charged whole. Shared
 stages keep their own FLOPs, compile and wall time, and every attack that uses a stage is
 charged its full cost, as if it had run alone; the record lists the stages it was charged.
 """
@@ -305,18 +309,24 @@ class Workspace:
 
   # --- metering ---------------------------------------------------------------------
 
-  def call(self, jitted, *args, **kwargs):
-    """Runs `jitted(*args, **kwargs)` through its cached executable and meters it."""
-    return self._metered(jitted, args, kwargs, trips=1)
+  def call(self, jitted, *args, real_fraction: float = 1.0, **kwargs):
+    """Runs `jitted(*args, **kwargs)` through its cached executable and meters it.
 
-  def scan(self, step, consts, state, xs, **static):
+    real_fraction: the share of the call's independent (vmapped) rows that are the
+    attack's; a call padded with copies of its last row so that fewer row counts compile
+    (SipIt's buckets) is charged that share of XLA's count, the padding being lla's."""
+    return self._metered(jitted, args, kwargs, trips=real_fraction)
+
+  def scan(self, step, consts, state, xs, *, real_fraction: float = 1.0, **static):
     """`run_steps` metered: the executable is the loop alone, so XLA's count of its body
-    (the while loop counted once) times the trip count is what ran."""
+    (the while loop counted once) times the trip count is what ran (`call`'s
+    real_fraction likewise)."""
     trips = int(jax.tree_util.tree_leaves(xs)[0].shape[0])
     return self._metered(scan_steps, (consts, state, xs),
-                         {"step": step, "static": tuple(sorted(static.items()))}, trips)
+                         {"step": step, "static": tuple(sorted(static.items()))},
+                         trips * real_fraction)
 
-  def _metered(self, jitted, args: tuple, kwargs: dict, trips: int):
+  def _metered(self, jitted, args: tuple, kwargs: dict, trips: float):
     executable, dynamic, flops, compile_s = compiled(jitted, *args, **kwargs)
     scope = self._scopes[-1]
     scope.compile_s += compile_s

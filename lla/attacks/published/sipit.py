@@ -51,12 +51,13 @@ its own position: one compiled call runs one kind of step (a proposal batch, a b
 refinement or policy iterations, a commit) for every document that waits for it, wherever
 it is, the cheap kinds first, so that the documents that need the iterated stages share
 their calls. Those calls are vmapped over the documents (compacted to a power-of-two
-bucket, so that documents that accepted cost nothing and each bucket size compiles once);
+bucket of at least `BUCKET_FLOOR` rows, so that documents that accepted cost nothing and a
+chunk compiles two or three row counts; the padding rows are not charged, `Meter`);
 refinement and policy run `REFINE_BLOCK` / `POLICY_BLOCK` iterations per call as one
 `Workspace.scan`, whose executable is the loop alone and is charged its body per trip (a
 document that stops inside a block is carried through it unchanged, and that work is
 charged too); the brute force runs per document, its chunks in calls of the first chunk's
-width, so that one width compiles. The metered FLOPs are what ran. On the embedded model
+width, so that one width compiles. The metered FLOPs are what ran for the documents. On the embedded model
 (16 documents of 32 tokens, cut 6, warm) the search takes 0.66 s per document where a
 position-by-position search took 1.07 s, with identical predictions and 0.97x the XLA
 FLOPs (experiments/bench_sipit.py compares the two; docs/benchmarks.md).
@@ -422,27 +423,34 @@ class Settings:
 
 
 class Meter:
-  """`Workspace.call` that also tallies FLOPs (XLA and analytic) per SipIt stage."""
+  """`Workspace.call` that also tallies FLOPs (XLA and analytic) per SipIt stage.
+
+  real_fraction: as `Workspace.call`'s, the share of a call's rows that are documents'
+  own (the rest pads it to a bucket, `_bucket`); the analytic count is the caller's, of
+  the real rows alone."""
 
   def __init__(self, ws: Workspace):
     self.ws = ws
     self.xla = collections.defaultdict(float)
     self.analytic = collections.defaultdict(float)
 
-  def __call__(self, stage: str, analytic: float, jitted, *args, **kwargs):
-    out = self.ws.call(jitted, *args, **kwargs)
+  def __call__(self, stage: str, analytic: float, jitted, *args, real_fraction: float = 1.0,
+               **kwargs):
+    out = self.ws.call(jitted, *args, real_fraction=real_fraction, **kwargs)
     # A cache hit now (ws.call compiled it): the FLOPs of the call that just ran.
     flops = workspace_lib.compiled(jitted, *args, **kwargs)[2]
-    self.xla[stage] += flops or 0.0
+    self.xla[stage] += (flops or 0.0) * real_fraction
     self.analytic[stage] += analytic
     return out
 
-  def scan(self, stage: str, analytic: float, step, consts, state, xs, **static):
+  def scan(self, stage: str, analytic: float, step, consts, state, xs, *,
+           real_fraction: float = 1.0, **static):
     """`Workspace.scan`: the loop's executable, charged its body's count per trip."""
-    out = self.ws.scan(step, consts, state, xs, **static)
+    out = self.ws.scan(step, consts, state, xs, real_fraction=real_fraction, **static)
     flops = workspace_lib.compiled(workspace_lib.scan_steps, consts, state, xs, step=step,
                                    static=tuple(sorted(static.items())))[2]
-    self.xla[stage] += (flops or 0.0) * int(jax.tree_util.tree_leaves(xs)[0].shape[0])
+    trips = int(jax.tree_util.tree_leaves(xs)[0].shape[0])
+    self.xla[stage] += (flops or 0.0) * trips * real_fraction
     self.analytic[stage] += analytic
     return out
 
@@ -452,10 +460,19 @@ def token_step_flops(cfg: GPT2Config, k: int, seq_len: int) -> float:
   return beam.analytic_flops(cfg, k, 1, 1, 1, seq_len) / seq_len
 
 
-def _bucket(active: np.ndarray, limit: int) -> np.ndarray:
-  """active [n] document indices padded (repeating the last) to min(limit, 2^ceil(log2 n)),
-  int32: the documents that did not ask cost nothing, and each size compiles once."""
-  size = min(limit, 1 << max(len(active) - 1, 0).bit_length())
+# The fewest rows a batched call runs (`_bucket`): the documents still searching are padded
+# up to a power of two of at least this many (at most the chunk's), so that a chunk meets
+# two or three row counts, each compiled once per program, instead of one per power of two
+# down to 1. Each count is two to four programs of the client's depth (the refinement's and
+# the policy's loops, `verify`), seconds each to compile; at GPT-2 124M's shape on CPU the
+# one-token step takes 7.4 ms on 1 row and 13.9 on 8 (docs/benchmarks.md section 16).
+BUCKET_FLOOR = 8
+
+
+def _bucket(active: np.ndarray, limit: int, floor: int = 1) -> np.ndarray:
+  """active [n] document indices padded (repeating the last) to
+  min(limit, max(floor, 2^ceil(log2 n))), int32: each size compiles once."""
+  size = min(limit, max(floor, 1 << max(len(active) - 1, 0).bit_length()))
   return np.concatenate([active, np.repeat(active[-1:], size - len(active))]).astype(np.int32)
 
 
@@ -804,30 +821,31 @@ class ChunkSearch:
     if kind == "verify" and requests[0].stage == "brute_force":
       # Per document too: a part of a chunk is work enough for a call (16 client steps on
       # the defaults), and each document count would compile.
-      return [self._verify(docs[i:i + 1], requests[i:i + 1])[0] for i in range(len(docs))]
+      return [self._verify(docs[i:i + 1], requests[i:i + 1], floor=1)[0]
+              for i in range(len(docs))]
     if kind == "verify":
-      return self._verify(docs, requests)
+      return self._verify(docs, requests, floor=BUCKET_FLOOR)
     if kind == "commit":
       return self._commit(docs)
     return self._block(kind, docs, requests)
 
-  def _rows(self, docs: np.ndarray, requests: list) -> tuple:
-    """(rows, requests): docs padded to a power-of-two bucket by repeating the last one
-    (the padding computes what the last one does), and their requests."""
-    rows = _bucket(docs, self.n)
+  def _rows(self, docs: np.ndarray, requests: list, floor: int) -> tuple:
+    """(rows, requests): docs padded to a bucket by repeating the last one (the padding
+    computes what the last one does), and their requests."""
+    rows = _bucket(docs, self.n, floor)
     return rows, requests + requests[-1:] * (len(rows) - len(docs))
 
-  def _verify(self, docs: np.ndarray, requests: list) -> list:
+  def _verify(self, docs: np.ndarray, requests: list, floor: int) -> list:
     """One `verify` call: each document's record distance after it."""
     state = self.state
-    rows, requests = self._rows(docs, requests)
+    rows, requests = self._rows(docs, requests, floor)
     cands = np.stack([r.candidates for r in requests])
     valid = np.stack([r.valid for r in requests])
     state["visited"], state["record"] = self.meter(
-        requests[0].stage, len(rows) * cands.shape[1] * self.step_flops, verify,
+        requests[0].stage, len(docs) * cands.shape[1] * self.step_flops, verify,
         self.ws.params, state["cache"], self.h, state["visited"], state["record"],
         jnp.asarray(rows), jnp.asarray(self.t[rows]), jnp.asarray(cands), jnp.asarray(valid),
-        cfg=self.ws.cfg)
+        cfg=self.ws.cfg, real_fraction=len(docs) / len(rows))
     return list(np.asarray(state["record"]["rel"])[docs])
 
   def _linearise(self, d: int) -> np.ndarray:
@@ -855,8 +873,8 @@ class ChunkSearch:
     document, (which iterations it took [trips] bool, their residuals or losses, its record
     distance after the block)."""
     ws, s, state = self.ws, self.s, self.state
-    rows, requests = self._rows(docs, requests)
-    n, trips = len(rows), self.blocks[kind]
+    rows, requests = self._rows(docs, requests, BUCKET_FLOOR)
+    n, trips, real = len(rows), self.blocks[kind], len(docs) / len(rows)
     idx, t = jnp.asarray(rows), jnp.asarray(self.t[rows])
     start = jnp.asarray([r.start for r in requests], jnp.int32)
     seen = jnp.asarray([r.seen for r in requests], jnp.int32)
@@ -866,20 +884,20 @@ class ChunkSearch:
     if kind == "refine":
       last = jnp.asarray([r.last for r in requests], jnp.float32)
       out = self.meter.scan(
-          "refine", n * trips * self.refine_flops, refine_iteration,
+          "refine", len(docs) * trips * self.refine_flops, refine_iteration,
           (ws.params, state["cache"], self.h, self.inverse, idx, t, start, self.tol),
           (state["visited"], state["record"], state["e_refined"], seen,
            jnp.ones(n, jnp.bool_), last, log),
-          iterations, cfg=ws.cfg, num=self.num, iters=s.refine_iters)
+          iterations, real_fraction=real, cfg=ws.cfg, num=self.num, iters=s.refine_iters)
       state["visited"], state["record"], state["e_refined"], *_, log = out
     else:
       reset = s.reset_every * (1 + (self.vocab // _VOCAB_SCALE) * (self.t[rows] == 0))
       out = self.meter.scan(
-          "policy", n * trips * self.policy_flops, policy_iteration,
+          "policy", len(docs) * trips * self.policy_flops, policy_iteration,
           (ws.params, state["cache"], self.h, idx, t, start, jnp.asarray(reset, jnp.int32),
            self.tol, jnp.float32(s.step_size), jnp.float32(s.grad_clip)),
           (state["visited"], state["record"], state["e_policy"], seen, log),
-          iterations, cfg=ws.cfg, num=self.num, iters=s.max_iters)
+          iterations, real_fraction=real, cfg=ws.cfg, num=self.num, iters=s.max_iters)
       state["visited"], state["record"], state["e_policy"], _, log = out
     active, value = np.asarray(log["active"]), np.asarray(log["value"])
     rel = np.asarray(state["record"]["rel"])
