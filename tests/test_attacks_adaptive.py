@@ -155,6 +155,33 @@ def test_projection_adaptive_equals_gram_brute_force(case, gram_brute, changes):
   assert 0.5 < charge.flops / charge.flops_analytic < 2.0
 
 
+def test_projection_adaptive_padded_calls_are_charged_their_documents_alone(case,
+                                                                           monkeypatch):
+  """The documents still searching are padded to a bucket so that few shapes compile:
+  with every call padded to all the documents (copies of the first, as `_bucket` pads)
+  against no padding at all, the same predictions, the same analytic FLOPs and XLA's
+  within 1% (the padding is not the attack's work)."""
+  from lla.attacks.adaptive import projection_adaptive
+  _, _, truth, h = case
+  sizes = []
+
+  def to_all(docs, total):
+    sizes.append((len(docs), total))
+    return np.concatenate([docs, np.repeat(docs[:1], total - len(docs))]).astype(np.int64)
+
+  runs = {}
+  for name, fn in (("exact", lambda docs, total: docs.astype(np.int64)), ("padded", to_all)):
+    monkeypatch.setattr(projection_adaptive, "_bucket", fn)
+    runs[name] = registry.execute("projection_adaptive", workspace(case, haar_capture(h), HAAR),
+                                  budget(), jax.random.key(0))
+  assert sum(real < total for real, total in sizes) > len(sizes) // 2, sizes
+  (exact, exact_charge), (padded, padded_charge) = runs["exact"], runs["padded"]
+  np.testing.assert_array_equal(exact.predictions, truth)
+  np.testing.assert_array_equal(padded.predictions, truth)
+  assert padded_charge.flops_analytic == pytest.approx(exact_charge.flops_analytic, rel=1e-12)
+  assert padded_charge.flops == pytest.approx(exact_charge.flops, rel=1e-2)
+
+
 @pytest.mark.parametrize("setting", ["one_document", "a_rotation_per_document"])
 def test_projection_adaptive_one_document(case, setting):
   """No minimum number of documents: one document alone is recovered exactly, and so is

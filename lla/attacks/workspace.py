@@ -13,8 +13,8 @@ attack's FLOPs are therefore what it executed, loops included: XLA counts a loop
 so a loop either runs from Python, each iteration counted, or as one `Workspace.scan`,
 whose executable is nothing but the loop and is charged its body's count times the trip
 count (tested equal to the per-iteration sum). One exception: rows that a call is padded
-with only so that fewer row counts compile (SipIt's buckets of documents still searching)
-are not the attack's work, and such a call is charged its real rows' share of XLA's count
+with only so that fewer row counts compile (the buckets of documents still searching of
+SipIt and `projection_adaptive`) are not the attack's work, and such a call is charged its real rows' share of XLA's count
 (`real_fraction`; tested against the same search run unpadded). The chunks of
 `map_documents`, padded to one size, are still charged whole. Shared
 stages keep their own FLOPs, compile and wall time, and every attack that uses a stage is
@@ -394,10 +394,12 @@ class Workspace:
     return dist.gather_documents(result)
 
   def map_call(self, jitted, arrays: tuple, bytes_per_doc: float, consts: tuple = (),
-               **static):
-    """`jitted(*consts, *chunk arrays, **static)` over document chunks, metered."""
-    return self.map_documents(lambda *piece: self.call(jitted, *consts, *piece, **static),
-                              arrays, bytes_per_doc)
+               real_fraction: float = 1.0, **static):
+    """`jitted(*consts, *chunk arrays, **static)` over document chunks, metered (each
+    chunk charged `real_fraction` of its count, as `call`)."""
+    return self.map_documents(
+        lambda *piece: self.call(jitted, *consts, *piece, real_fraction=real_fraction,
+                                 **static), arrays, bytes_per_doc)
 
   def _mark_used(self, name: str) -> None:
     if name not in self._used:

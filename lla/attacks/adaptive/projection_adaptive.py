@@ -500,8 +500,10 @@ class _GramRun:
         gram_costs, (state["cache"][idx, :beams], state["rows"][idx, :beams],
                      cands.astype(np.int32), gram, scale, norm2, view, rest),
         self.bytes_per_doc(cands.shape[1], beams),
-        consts=(ws.params, jnp.asarray(basis, jnp.float32), jnp.int32(t)), cfg=ws.cfg)
-    self.analytic += len(idx) * beams * cands.shape[1] * self.pair_flops
+        consts=(ws.params, jnp.asarray(basis, jnp.float32), jnp.int32(t)),
+        real_fraction=len(docs) / len(idx), cfg=ws.cfg)
+    # The bucket's padding shares executables; the attack is charged its documents alone.
+    self.analytic += len(docs) * beams * cands.shape[1] * self.pair_flops
     n = len(docs)
     return (np.asarray(match, np.float64)[:n], np.asarray(bound, np.float64)[:n],
             np.asarray(rows)[:n])
