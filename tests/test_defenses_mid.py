@@ -250,6 +250,37 @@ def test_finetune_keeps_the_weights_beside_the_checkpoint(base, tmp_path):
   assert made.metadata["defense_weights_sha256"] == mid.weights_sha256(made.params["mid"])
 
 
+def test_the_bottleneck_trains_at_its_own_learning_rate(base, tmp_path):
+  """`weights_lr` (VFLAIR-LLM's MID `lr`) gives the bottleneck an AdamW of its own in the
+  defended fine-tune: recorded in E's defense parameters, and the bottleneck moves about
+  weights_lr / lr times as far as at the model's rate (Adam's steps scale with the rate:
+  10x here, asserted above 5x), while the model's own weights move as before."""
+  config = finetune_config.get_config("tiny")
+  config.model.update(vocab_size=CFG.vocab_size, n_positions=CFG.n_positions,
+                      n_embd=CFG.n_embd, n_layer=CFG.n_layer, n_head=CFG.n_head)
+  config.update({"num_models": 1, "batch_size": 8, "num_epochs": 1, "k": K,
+                 "export_hf": False})
+  model_id, info = loading.identify(ckpt.params_sha256(base), CFG, None)
+  loaded = loading.LoadedModel(base, CFG, None, model_id, "test", info)
+  initial = D.make("mid", lam=1.0, width=8).init_weights(CFG, SECRET)
+  moved = {}
+  for weights_lr in (None, 10 * config.optimizer.lr):
+    defense = D.make("mid", lam=1.0, width=8, weights_lr=weights_lr)
+    made, = finetune.finetune(config, tmp_path / str(weights_lr), _splits(), loaded,
+                              defense=defense, secret=SECRET)
+    assert made.metadata["run_config"]["defense"]["params"]["weights_lr"] == weights_lr
+    moved[weights_lr] = (
+        max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+            for a, b in zip(jax.tree.leaves(made.params["mid"]), jax.tree.leaves(initial))),
+        made.params)
+  (slow, slow_params), (fast, fast_params) = moved[None], moved[10 * config.optimizer.lr]
+  print(f"\nbottleneck moved {slow:.2e} at the model's rate, {fast:.2e} at 10x")
+  assert fast > 5 * slow > 0
+  server = split.server_layer_names(base, CFG, K)[-1]
+  for a, b in zip(jax.tree.leaves(slow_params[server]), jax.tree.leaves(fast_params[server])):
+    np.testing.assert_allclose(a, b, rtol=0.05, atol=1e-4)
+
+
 def _mid_capture(cfg, k, seed, width, sizes):
   """A MID inference capture of a tiny random GPT-2 (weights std 0.05) with the bottleneck at
   its secret initialisation (init_std 0.02): (defense, victim params, calibration tokens,
@@ -289,11 +320,19 @@ def test_mid_adaptive():
   budget = ml_collections.ConfigDict(dict(candidates=16, beam_width=2, ridge_alpha=1e-3,
                                           mid_shadow_steps=4, mid_shadow_lr=3e-4,
                                           mid_shadow_draws=4))
-  rate = lambda name: float(np.mean(registry.execute(name, ws, budget, jax.random.key(0))[0]
-                                    .predictions == truth))
-  adapted, plain = rate("mid_adaptive"), rate("activation")
+  run = lambda name, ws=ws: registry.execute(name, ws, budget, jax.random.key(0))[0]
+  adaptive = run("mid_adaptive")
+  adapted = float(np.mean(adaptive.predictions == truth))
+  plain = float(np.mean(run("activation").predictions == truth))
   print(f"\nmid_adaptive {adapted:.3f} vs activation {plain:.3f} (b=24, init_std=0.02)")
   assert adapted > plain + 0.2
+  # The shadow trains at the budget's rate, or at the bottleneck's public one where the
+  # defense declares it (E's defense parameters).
+  assert adaptive.details["shadow_lr"] == 3e-4
+  declared = Workspace(messages, None, mid.without_weights(victim), cfg, k, cal,
+                       defense={"name": "mid", "params": {**defense.params(),
+                                                          "weights_lr": 5e-2}})
+  assert run("mid_adaptive", declared).details["shadow_lr"] == 5e-2
 
 
 @pytest.mark.slow

@@ -66,6 +66,31 @@ def test_weight_decay_only_on_dense_kernels(params):
   assert not mask["wte"]["embedding"] and not mask["wpe"]["embedding"]
 
 
+def test_own_weights_take_their_own_learning_rate():
+  """A defense's own weights (`own_weights`) step at their own rate, the rest at the
+  model's, the frozen not at all. Known answer: AdamW's first step, without warm-up, moves
+  a leaf with a nonzero gradient by lr * g / (|g| + eps) = lr * sign(g) (bias-corrected
+  moments m = g, v = g^2), and biases get no weight decay; within 1e-4 relative, the bias
+  correction's 1 - b2 = 1 - 0.999 carrying float32's rounding (1.3e-5, 6e-6 after the root)."""
+  config = _optimizer(1e-3)
+  config.warmup_steps, config.clip_norm = 0, 1e9
+  params = {"model": {"bias": jnp.zeros(3)}, "frozen": {"bias": jnp.zeros(3)},
+            "mid": {"bias": jnp.zeros(2)}}
+  trainable = {"model": {"bias": True}, "frozen": {"bias": False}, "mid": {"bias": True}}
+  grads = {"model": {"bias": jnp.array([2.0, -0.5, 1.0])},
+           "frozen": {"bias": jnp.array([1.0, 1.0, 1.0])}, "mid": {"bias": jnp.array([-3.0, 0.7])}}
+  for own, own_lr in ((None, 1e-3), (("mid", 5e-2), 5e-2)):
+    tx = loop.make_optimizer(config, 10, trainable, own)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["model"]["bias"], -1e-3 * np.sign(grads["model"]["bias"]),
+                               rtol=1e-4)
+    np.testing.assert_array_equal(updates["frozen"]["bias"], np.zeros(3))
+    np.testing.assert_allclose(updates["mid"]["bias"], -own_lr * np.sign(grads["mid"]["bias"]),
+                               rtol=1e-4)
+  with pytest.raises(ValueError, match="no top-level 'adversary'"):
+    loop.make_optimizer(config, 10, trainable, ("adversary", 1e-2))
+
+
 @pytest.mark.parametrize("train_client_layers", [False, True])
 def test_client_layers_frozen_only_when_asked(params, train_client_layers):
   trainable = loop.trainable_mask(params, K, train_client_layers)

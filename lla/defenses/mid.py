@@ -30,7 +30,10 @@ plus noise of std init_std in it (VFLAIR's std at a zero pre-activation, softplu
 0.474, by default) and an undefended model's utility is where training starts.
 
 The bottleneck's weights are the client's secret: drawn from the secret's persistent key
-(`init_weights`), trained with the model in the fine-tuning loop (`lla.train.finetune`), then
+(`init_weights`), trained with the model in the fine-tuning loop (`lla.train.finetune`; at the
+model's learning rate, or with an AdamW of their own at peak rate `weights_lr`, as VFLAIR-LLM
+gives its MID model an `lr` of its own: 1e-3 over 50 epochs in its configs/2-slice/bi/
+lambada_mid.json), then
 stored by the defender beside the checkpoint, never in it (`save_weights`): in memory a
 MID-defended model's params carry them under the top-level key `PARAMS_KEY`, which
 `without_weights` removes from what an attacker is given. Capture and utility sample z, as
@@ -182,6 +185,9 @@ class Mid(Defense):
   lam: float
   width: int | None = None  # b; None: the model's width d
   init_std: float = VFLAIR_INIT_STD
+  # Peak learning rate of the bottleneck's own AdamW in the defended fine-tune (VFLAIR-LLM's
+  # MID `lr`, 1e-3 in its configs); None: it trains with the model at the model's rate.
+  weights_lr: float | None = None
 
   def __post_init__(self):
     if not self.lam >= 0:
@@ -190,6 +196,8 @@ class Mid(Defense):
       raise ValueError(f"width={self.width} must be >= 1 (None: the model's width)")
     if not self.init_std > 0:
       raise ValueError(f"init_std={self.init_std} must be > 0")
+    if self.weights_lr is not None and not self.weights_lr > 0:
+      raise ValueError(f"weights_lr={self.weights_lr} must be > 0 (None: the model's rate)")
 
   @property
   def strength(self) -> float:

@@ -32,8 +32,8 @@ from tqdm import auto as tqdm
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 
-# Labels of `optax.multi_transform`.
-_TRAIN, _FREEZE = "train", "freeze"
+# Labels of `optax.multi_transform`: trained, frozen, and a defense's own trained weights.
+_TRAIN, _FREEZE, _OWN = "train", "freeze", "own"
 
 
 def _path_names(path) -> tuple[str, ...]:
@@ -75,8 +75,18 @@ def lr_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Sc
   return optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup), decay], [warmup])
 
 
+def _clipped_adamw(config: ml_collections.ConfigDict,
+                   total_steps: int) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.clip_by_global_norm(config.clip_norm),
+      optax.adamw(lr_schedule(config, total_steps), b1=config.b1, b2=config.b2, eps=config.eps,
+                  weight_decay=config.weight_decay, mask=decay_mask),
+  )
+
+
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
-                   trainable=None) -> optax.GradientTransformation:
+                   trainable=None, own_weights: tuple[str, float] | None = None
+                   ) -> optax.GradientTransformation:
   """Clip -> AdamW with `lr_schedule`; frozen leaves (trainable False) map to set_to_zero.
 
   Args:
@@ -84,16 +94,27 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
       weight_decay, clip_norm); see configs/pretrain.py.
     total_steps: length of the schedule.
     trainable: optional bool pytree like params; None trains everything.
+    own_weights: (top-level params key, peak learning rate) of a defense's own trained
+      weights (MID's bottleneck), or None (they train with the
+      model). Given, they get an AdamW of their own: the same schedule shape and fields at
+      that peak rate, clipped by their own global norm (VFLAIR-LLM steps its MID model with
+      an optimizer and learning rate of its own). Needs `trainable`.
   """
-  adamw = optax.chain(
-      optax.clip_by_global_norm(config.clip_norm),
-      optax.adamw(lr_schedule(config, total_steps), b1=config.b1, b2=config.b2, eps=config.eps,
-                  weight_decay=config.weight_decay, mask=decay_mask),
-  )
+  adamw = _clipped_adamw(config, total_steps)
   if trainable is None:
+    if own_weights is not None:
+      raise ValueError("own_weights needs the trainable mask")
     return adamw
+  transforms = {_TRAIN: adamw, _FREEZE: optax.set_to_zero()}
   labels = jax.tree.map(lambda t: _TRAIN if t else _FREEZE, trainable)
-  return optax.multi_transform({_TRAIN: adamw, _FREEZE: optax.set_to_zero()}, labels)
+  if own_weights is not None:
+    key, lr = own_weights
+    if key not in labels:
+      raise ValueError(f"own_weights: the params have no top-level {key!r}")
+    transforms[_OWN] = _clipped_adamw(
+        ml_collections.ConfigDict({**config.to_dict(), "lr": float(lr)}), total_steps)
+    labels = {**labels, key: jax.tree.map(lambda t: _OWN if t == _TRAIN else t, labels[key])}
+  return optax.multi_transform(transforms, labels)
 
 
 def lm_step_loss(params, cfg: GPT2Config, tokens: jax.Array, step: jax.Array,
@@ -133,12 +154,12 @@ def make_train_step(cfg: GPT2Config, tx: optax.GradientTransformation,
 @functools.lru_cache(maxsize=8)
 def _cached_optimizer_and_step(cfg: GPT2Config, optimizer_json: str, num_steps: int,
                                treedef, trainable_leaves: tuple[bool, ...] | None,
-                               loss_fn: Callable):
+                               loss_fn: Callable, own_weights: tuple[str, float] | None):
   """One compilation per (model, optimiser, schedule, mask, loss): seeds of a fine-tune
   share it."""
   optimizer = ml_collections.ConfigDict(json.loads(optimizer_json))
   trainable = None if trainable_leaves is None else jax.tree.unflatten(treedef, trainable_leaves)
-  tx = make_optimizer(optimizer, num_steps, trainable)
+  tx = make_optimizer(optimizer, num_steps, trainable, own_weights)
   return tx, make_train_step(cfg, tx, trainable, loss_fn)
 
 
@@ -167,7 +188,8 @@ class TrainResult:
 def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collections.ConfigDict,
           num_steps: int, batch_size: int, seed: int, trainable=None, log_every: int = 50,
           progress: bool = True, desc: str = "train",
-          loss_fn: Callable = lm_step_loss, loss_inputs=None) -> TrainResult:
+          loss_fn: Callable = lm_step_loss, loss_inputs=None,
+          own_weights: tuple[str, float] | None = None) -> TrainResult:
   """Trains `params` for `num_steps` AdamW steps on seeded batches of `tokens`.
 
   Args:
@@ -186,12 +208,13 @@ def train(params, cfg: GPT2Config, tokens: np.ndarray, *, optimizer: ml_collecti
       function or a dataclass), since compiled steps are cached per loss.
     loss_inputs: a pytree of arrays the loss reads as traced data (a defense's secret
       keys), or None.
+    own_weights: see `make_optimizer`.
   """
   treedef = jax.tree.structure(params)
   tx, step_fn = _cached_optimizer_and_step(
       cfg, optimizer.to_json(sort_keys=True), num_steps, treedef,
       None if trainable is None else tuple(bool(t) for t in jax.tree.leaves(trainable)),
-      loss_fn)
+      loss_fn, own_weights)
   schedule = lr_schedule(optimizer, num_steps)
   # Donation consumes the step's inputs; copy so that the caller's params survive.
   params = jax.tree.map(jnp.array, params)

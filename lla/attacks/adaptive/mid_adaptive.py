@@ -12,7 +12,9 @@ messages span the b-dimensional row space of the secret decoder, which the captu
   2. builds a shadow MID from it, the victim's initialisation with U for the secret Q (the
      same mechanism up to a rotation inside the subspace, which the noise does not see), and
      fine-tunes it on its calibration text at the public lambda (`mid_shadow_steps` AdamW
-     steps on the bottleneck, the model frozen: BiSR's shadow pattern, as nopeek_adaptive);
+     steps on the bottleneck, the model frozen: BiSR's shadow pattern, as nopeek_adaptive),
+     at the bottleneck's public learning rate `weights_lr` where the defense declares one,
+     else at `mid_shadow_lr`;
   3. trains noise-aware linear inverters on the shadow's sampled outputs for its calibration
      text (`mid_shadow_draws` noise draws with the attacker's own key): a ridge to the input
      embeddings (candidates) and a ridge to its clean client rows (denoised targets);
@@ -43,7 +45,8 @@ budget_lib.declare("mid_shadow_steps", 32, int, low=0,
                    doc="mid_adaptive: AdamW steps of the shadow bottleneck's fine-tune",
                    source="lla (the victim's fine-tune length, configs/finetune.py)")
 budget_lib.declare("mid_shadow_lr", 3e-4, float, low=0.0, strict_low=True,
-                   doc="mid_adaptive: the shadow fine-tune's learning rate",
+                   doc="mid_adaptive: the shadow fine-tune's learning rate where the defense "
+                   "declares no weights_lr",
                    source="configs/finetune.py (the victim's)")
 budget_lib.declare("mid_shadow_draws", 4, int, low=1,
                    doc="mid_adaptive: noise draws per calibration document for the inverters",
@@ -115,12 +118,14 @@ class MidAdaptive:
     lam = float(public.get("lam", 0.0))
     init_std = float(public.get("init_std", mid.VFLAIR_INIT_STD))
     steps, draws = int(budget.mid_shadow_steps), int(budget.mid_shadow_draws)
+    # The defender's bottleneck rate is public (E's defense parameters): the shadow mirrors it.
+    shadow_lr = float(public.get("weights_lr") or budget.mid_shadow_lr)
     num, width = int(budget.candidates), int(budget.beam_width)
     u = decoder_subspace(ws.activations, b)
     ws.count_host(2.0 * ws.activations[..., 0].size * d * d + 10.0 * d ** 3)
     train_key, noise_key = jax.random.split(key)
-    weights, losses = self._fine_tune(ws, shadow_weights(u, init_std), lam, steps,
-                                      float(budget.mid_shadow_lr), train_key)
+    weights, losses = self._fine_tune(ws, shadow_weights(u, init_std), lam, steps, shadow_lr,
+                                      train_key)
     noisy, clean = (np.asarray(a) for a in ws.call(
         shadow_samples, weights, ws.params, jnp.asarray(ws.calibration_tokens), noise_key,
         cfg=ws.cfg, k=ws.cut, draws=draws))
@@ -144,7 +149,8 @@ class MidAdaptive:
                                    len(ws.known_prefix))
              + cand_lib.candidate_flops(n * ws.seq_len, ws.cfg.vocab_size, d))
     return registry.AttackResult(predictions, flops, {
-        "lam": lam, "width": b, "shadow_steps": steps, "shadow_draws": draws,
+        "lam": lam, "width": b, "shadow_steps": steps, "shadow_lr": shadow_lr,
+        "shadow_draws": draws,
         "shadow_loss_first_last": [losses[0], losses[-1]] if losses else []})
 
   def _fine_tune(self, ws: Workspace, weights, lam: float, steps: int, lr: float, key):
