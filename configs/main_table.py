@@ -26,11 +26,11 @@ Variants (`:ARG`):
   cpu_field_defenses
          the `cpu` job's base, fine-tuned models, documents and attacks, with the defenses
          the field's frameworks offer in place of the simple ones (SanText, CusText,
-         Split-and-Denoise, MID, adversarial training; two strengths each, 48 documents per
-         defended capture): their utility costs, envelopes and verdicts. The phases that do
-         not depend on the defenses and that `cpu` runs (published attacks, corpus study,
-         FLOP-matched frontier, active tier) are off: 41.7 minutes on 2 idle cores
-         (docs/attacks.md has its figures).
+         Split-and-Denoise, MID, adversarial training; two strengths each, MID three, 48
+         documents per defended capture): their utility costs, envelopes and verdicts. The
+         phases that do not depend on the defenses and that `cpu` runs (published attacks,
+         corpus study, FLOP-matched frontier, active tier) are off: 41.7 minutes on 2 idle
+         cores with MID at two strengths (docs/attacks.md has its figures).
   cpu_smollm2
          the seed protocol on a real pre-trained model: SmolLM2-135M-Instruct (Llama
          architecture, its own 49,152-token tokenizer), the Q4_1 GGUF file of the
@@ -306,15 +306,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 # The field's defenses (issue 47) on `cpu`: (name, parameter, values[, fixed]) as
 # config.defenses. SanText, CusText and SnD at the values of configs/sweep.py:defenses_cpu
 # (measured there on the same target: SanText at 80 and 40 replaced almost nothing). MID's
-# lambda and the adversarial alpha are NOT tuned here: MID's KL (VFLAIR's normalisation, the
-# elementwise mean over d) is ~0.1 nats at the start of the fine-tune on the embedded model,
-# so lambda 1 barely moves it and 100 makes it the larger term; alpha 1 and 10 weigh the
-# inverter's loss (~0.8 at the start: the squared norm of an embedding row) against CE.
+# bottleneck trains at a rate of its own, 1e-2 (`weights_lr`; VFLAIR-LLM gives its MID model
+# one): at the model's 3e-4 its 32 steps barely move it and neither lambda 1 nor 100 moved
+# utility (+0.006-0.008 nats); at 1e-2 lambda 1 / 100 / 1000 cost +0.046 / +0.156 / +0.478
+# (docs/attacks.md). The adversarial alpha is NOT tuned: alpha 1 and 10 weigh the inverter's
+# loss (~0.8 at the start: the squared norm of an embedding row) against CE.
 FIELD_DEFENSES_CPU = (
     ("santext", "epsilon", (10.0, 5.0)),
     ("custext", "epsilon", (20.0, 5.0), (("top_k", 20),)),
     ("snd", "epsilon", (400.0, 40.0)),
-    ("mid", "lam", (1.0, 100.0)),
+    ("mid", "lam", (1.0, 100.0, 1000.0), (("weights_lr", 1e-2),)),
     ("adversarial", "alpha", (1.0, 10.0)),
 )
 

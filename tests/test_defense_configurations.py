@@ -78,10 +78,12 @@ def test_every_variant_builds_its_defenses_and_declares_them(variant):
   assert names <= set(config.scoring.threat_space.defenses)
   assert set(config.defense_finetune) <= set(defenses.names())
   if variant == "cpu_field_defenses":
-    # The field's five defenses alone, two strengths each, every one fine-tuned with the
-    # target; `cpu`'s published and FLOP-matched attacks stay off the defended captures.
+    # The field's five defenses alone, two strengths each (MID three, its bottleneck at a
+    # rate of its own), every one fine-tuned with the target; `cpu`'s published and
+    # FLOP-matched attacks stay off the defended captures.
     assert names == FIELD_DEFENSES
-    assert sorted(c.name for c in configurations) == sorted(list(FIELD_DEFENSES) * 2)
+    assert sorted(c.name for c in configurations) == sorted(list(FIELD_DEFENSES) * 2 + ["mid"])
+    assert {c.defense().weights_lr for c in configurations if c.name == "mid"} == {1e-2}
     assert set(config.defense_finetune) == FIELD_DEFENSES
     cpu = main_table_config.get_config("cpu")
     assert config.defense_skip_attacks == cpu.defense_skip_attacks
