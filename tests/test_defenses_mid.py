@@ -224,16 +224,21 @@ def _splits():
                          provenance={})
 
 
-def test_finetune_keeps_the_weights_beside_the_checkpoint(base, tmp_path):
-  """lla.train.finetune trains the bottleneck, stores it in the defender's file (not in the
-  checkpoint), and a reuse restores the same weights, verified by their hash."""
+def _finetune_setup(base):
+  """(one-seed, one-epoch fine-tune config of the tiny model, the base as a loaded model)."""
   config = finetune_config.get_config("tiny")
   config.model.update(vocab_size=CFG.vocab_size, n_positions=CFG.n_positions,
                       n_embd=CFG.n_embd, n_layer=CFG.n_layer, n_head=CFG.n_head)
   config.update({"num_models": 1, "batch_size": 8, "num_epochs": 1, "k": K,
                  "export_hf": False})
   model_id, info = loading.identify(ckpt.params_sha256(base), CFG, None)
-  loaded = loading.LoadedModel(base, CFG, None, model_id, "test", info)
+  return config, loading.LoadedModel(base, CFG, None, model_id, "test", info)
+
+
+def test_finetune_keeps_the_weights_beside_the_checkpoint(base, tmp_path):
+  """lla.train.finetune trains the bottleneck, stores it in the defender's file (not in the
+  checkpoint), and a reuse restores the same weights, verified by their hash."""
+  config, loaded = _finetune_setup(base)
   defense = D.make("mid", lam=1.0, width=8)
   made, = finetune.finetune(config, tmp_path, _splits(), loaded, defense=defense,
                             secret=SECRET)
@@ -255,13 +260,7 @@ def test_the_bottleneck_trains_at_its_own_learning_rate(base, tmp_path):
   defended fine-tune: recorded in E's defense parameters, and the bottleneck moves about
   weights_lr / lr times as far as at the model's rate (Adam's steps scale with the rate:
   10x here, asserted above 5x), while the model's own weights move as before."""
-  config = finetune_config.get_config("tiny")
-  config.model.update(vocab_size=CFG.vocab_size, n_positions=CFG.n_positions,
-                      n_embd=CFG.n_embd, n_layer=CFG.n_layer, n_head=CFG.n_head)
-  config.update({"num_models": 1, "batch_size": 8, "num_epochs": 1, "k": K,
-                 "export_hf": False})
-  model_id, info = loading.identify(ckpt.params_sha256(base), CFG, None)
-  loaded = loading.LoadedModel(base, CFG, None, model_id, "test", info)
+  config, loaded = _finetune_setup(base)
   initial = D.make("mid", lam=1.0, width=8).init_weights(CFG, SECRET)
   moved = {}
   for weights_lr in (None, 10 * config.optimizer.lr):
