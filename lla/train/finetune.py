@@ -119,8 +119,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
   own_weights = defense is not None and not defense.off and hasattr(defense, "params_key")
   if own_weights:
     params = {**params, defense.params_key: defense.init_weights(cfg, secret)}
-  # Their own learning rate, where the defense declares one (`weights_lr`).
+  # Their own learning rate, where the defense declares one (MID's `weights_lr`).
   own_lr = getattr(defense, "weights_lr", None) if own_weights else None
+  own_rate = None if own_lr is None else (defense.params_key, own_lr)
   tokens = splits.training.tokens
   steps = num_steps(config, tokens.shape[0])
   trainable = loop.trainable_mask(params, config.k, config.train_client_layers)
@@ -133,7 +134,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                           batch_size=config.batch_size, seed=seed, trainable=trainable,
                           log_every=config.log_every, desc=f"finetune seed {seed}",
                           loss_fn=loss_fn, loss_inputs=loss_inputs,
-                          own_weights=None if own_lr is None else (defense.params_key, own_lr))
+                          own_weights=own_rate)
       model = result.params
       if own_weights:
         model = {n: v for n, v in result.params.items() if n != defense.params_key}

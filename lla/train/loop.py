@@ -95,10 +95,10 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
     total_steps: length of the schedule.
     trainable: optional bool pytree like params; None trains everything.
     own_weights: (top-level params key, peak learning rate) of a defense's own trained
-      weights (MID's bottleneck), or None (they train with the
-      model). Given, they get an AdamW of their own: the same schedule shape and fields at
-      that peak rate, clipped by their own global norm (VFLAIR-LLM steps its MID model with
-      an optimizer and learning rate of its own). Needs `trainable`.
+      weights (MID's bottleneck), or None (they train with the model). Given, they get an
+      AdamW of their own: the same schedule shape and fields at that peak rate, clipped by
+      their own global norm (VFLAIR-LLM steps its MID model with an optimizer and learning
+      rate of its own). Needs `trainable`.
   """
   adamw = _clipped_adamw(config, total_steps)
   if trainable is None:
