@@ -182,7 +182,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # stronger, 0 the undefended target): 1 / epsilon for an epsilon, so a larger epsilon is a
   # weaker defense; the report's verdict table and frontier order by it. `cpu` sweeps fewer
   # strengths to fit 45 minutes: mixup m = 4 alone cost 6 of its minutes (mixup_adaptive's
-  # search grows with m), Gaussian sigma = 1.0 lies between two others.
+  # search grows with m), Gaussian sigma = 1.0 lies between two others, and Gaussian noise,
+  # top-k and quantisation run at one strength each (their second strengths, sigma 3.0,
+  # sparsity 0.75 and 2 bits, cost 40-50 s each and FAILed at +62.7 to +68.4 pp at
+  # 847003a), the ones `cpu_smollm2` and `cpu_llama` run too, so the bridge between the
+  # models compares the same configurations (docs/models.md).
   config.defense_cut = 2 if tiny else 6
   config.defense_docs = 256 if paper else 48  # Documents per defended capture (tiny: see n_eval).
   # Every registered attack that fits a defended capture runs on it (PROTOCOL section 5a:
@@ -195,18 +199,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.defense_skip_attacks = () if paper else tuple(config.published.attacks) + (
       () if tiny else ("activation_flop_matched", "joint_defense_aware"))
   config.defenses = (  # (registry name of lla.defenses, parameter, values[, fixed])
-      ("gaussian", "sigma", (0.3,) if tiny else ((0.3, 1.0, 3.0) if paper else (0.3, 3.0))),
-      ("topk", "sparsity", (0.75,) if tiny else (0.75, 0.9)),
-      ("quantize", "bits", (2,) if tiny else (4, 2)),
+      ("gaussian", "sigma", (0.3, 1.0, 3.0) if paper else (0.3,)),
+      ("topk", "sparsity", (0.75,) if tiny else ((0.75, 0.9) if paper else (0.9,))),
+      ("quantize", "bits", (2,) if tiny else ((4, 2) if paper else (4,))),
       ("mixup", "m", (2, 4) if paper else (2,)),
       ("projection", "enabled", (True,)),
       ("gradient_clip_noise", "clip_norm", (0.01,)),
       ("nopeek", "alpha", (1.0,)),
       # d_chi noise on the input embeddings (DX_PRIVACY_EPSILONS; tiny: ~3x its measured
       # median row norm, 32 / (3 x 0.182) = 59). dx_privacy and dp_forward each add 3
-      # defended captures per value on `cpu` (12 in all, to the 30 above, 12.0 min at
-      # 1dcb37e idle: ~24 s each); their own cost on the embedded model was not measured
-      # here (the host was saturated), so `cpu`'s time with them is to be measured. On
+      # defended captures per value on `cpu` (12 in all, to the 21 above); measured at
+      # 847003a (docs/benchmarks.md section 1): 196 and 193 s for dx_privacy's two
+      # configurations (its adaptive attack's 400 Adam steps 41 s per capture: 100 and 200
+      # steps recover 6.2 and 4.3 pp fewer tokens at epsilon 400), 84 and 85 s for DP-Forward's. On
       # `tiny` (k = 2, 48 documents, one seed, fine-tuned with it, beside ~20 other
       # processes on 2 cores; the first run, compiles included): dx_privacy 278 s wall / 46
       # CPU-s (dx_privacy_adaptive 57 s, 7 attacks), dp_forward 105 s / 23 CPU-s

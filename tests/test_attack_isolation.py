@@ -128,6 +128,9 @@ def test_the_probe_finds_them_in_the_drivers_objects(setup):
   # the capture's directory (as it once did) or its document ids: found.
   ws = plan.workspace(1 << 26, None)
   assert isolation_probe.probe({"workspace": ws}, targets)["found"] == []
+  assert ws.knowledge == "public"  # the attacker's E.K, which an attack may read
+  with pytest.raises(ValueError, match="knowledge 'exact'"):
+    dataclasses.replace(ws, knowledge="exact")
   leaky = dataclasses.replace(ws, capture_info={"directory": str(cap)})
   assert (f"path {str(cap)!r} in api['workspace'].capture_info['directory']"
           in isolation_probe.probe({"workspace": leaky}, targets)["found"])

@@ -456,7 +456,7 @@ def test_nopeek_adaptive(case):
   shadow_budget = dict(nopeek_shadow_steps=steps, nopeek_shadow_lr=lr)
 
   # Trained knowledge: the attacker's client is the pre-trained one; the shadow path runs.
-  ws = Workspace(h, None, params, CFG, K, cal, defense=defense)
+  ws = Workspace(h, None, params, CFG, K, cal, defense=defense, knowledge="trained")
   adapted, result = recovery(ws, "nopeek_adaptive", truth, **shadow_budget)
   blind, blind_result = recovery(ws, "activation", truth)
   shadow, losses = ws.stage(f"nopeek_shadow_1_{steps}",
@@ -484,12 +484,17 @@ def test_nopeek_adaptive(case):
 
   # Public knowledge: the attacker's client is the victim's, which explains the messages
   # better than any shadow fine-tuned from it: never the shadow, exactly the activation
-  # attack.
+  # attack; told so (`knowledge`), it trains none.
   ws = Workspace(h, None, victim, CFG, K, cal, defense=defense)
   public_adapted, public_result = recovery(ws, "nopeek_adaptive", truth, **shadow_budget)
   public_blind, public_blind_result = recovery(ws, "activation", truth)
   assert public_result.details["documents_through_shadow"] == 0
   np.testing.assert_array_equal(public_result.predictions, public_blind_result.predictions)
+  told = Workspace(h, None, victim, CFG, K, cal, defense=defense, knowledge="public")
+  _, told_result = recovery(told, "nopeek_adaptive", truth, **shadow_budget)
+  assert told.stage(f"nopeek_shadow_1_{steps}", lambda: "never trained") == "never trained"
+  assert told_result.details["shadow_steps"] == 0
+  np.testing.assert_array_equal(told_result.predictions, public_blind_result.predictions)
   assert public_blind >= 0.5, public_blind
   # Recovery: exact weights beat the shadow built from pre-trained ones, here by far.
   assert max(adapted, blind) < public_adapted, (adapted, blind, public_adapted)

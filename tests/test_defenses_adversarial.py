@@ -124,3 +124,10 @@ def test_adversarial_adaptive():
         f"adversarial_adaptive {adapted:.3f}")
   assert inverter < 0.05
   assert adapted > 0.5 and adapted >= plain - 0.05
+  # Told that it holds the victim's client (public knowledge), it trains no shadow.
+  told = Workspace(h, None, model, cfg, k, cal, knowledge="public",
+                   defense={"name": "adversarial", "params": defense.params()})
+  result, _ = registry.execute("adversarial_adaptive", told, budget, jax.random.key(0))
+  assert result.details["shadow_steps"] == 0
+  assert told.stage("adversarial_shadow_1_4", lambda: "never trained") == "never trained"
+  assert np.mean(result.predictions == truth) >= plain - 0.05

@@ -16,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -261,6 +262,73 @@ def test_the_job_runs_the_checks_of_the_attacks_it_measured(fake_repo, tmp_path)
   # Asked for a subset that excludes `good`: nothing runs.
   assert qualification.run_and_record(run, MODULES, root=fake_repo, only=("bad",))[
       "not_run"] == "no declared check names a test of this checkout"
+
+
+def niceness_while_it_runs(pid: int) -> int | None:
+  """The process's niceness once it has set its own (polled: it does so on starting, its
+  pytest session then runs for a second or more), or None if it ended first."""
+  seen, deadline = None, time.time() + 30
+  while time.time() < deadline and seen != 19:
+    try:
+      seen = os.getpriority(os.PRIO_PROCESS, pid)
+    except ProcessLookupError:
+      return None
+    time.sleep(0.005)
+  return seen
+
+
+def test_a_run_started_before_the_phases_records_only_the_measured_modules(fake_repo,
+                                                                          tmp_path):
+  """The main job's path: every module's checks start in the background at the lowest
+  CPU priority before anything is measured; scoring keeps the measured modules' outcomes
+  (their hashes still recompute) and records how and how long they ran."""
+  cap, run = str(tmp_path / "cap"), str(tmp_path / "run")
+  syn.make_capture(cap, syn.truth_tokens(docs=8))
+  started = qualification.start_checks(MODULES, root=fake_repo)
+  assert niceness_while_it_runs(started._process.pid) == 19
+  assert sorted(started.test_ids) == sorted([PASSES, FAILS, CASES])  # MISSING: no test
+  syn.make_run(run, cap, [syn.Spec("good", "beam_inversion", 3, 0)], POL.sha256)
+  document = qualification.run_and_record(run, MODULES, root=fake_repo, started=started)
+  assert document["modules"] == ["good"]
+  assert sorted(document["tests"]) == sorted([PASSES, f"{CASES}[1]", f"{CASES}[2]"])
+  assert document["test_files"] == {FILE: FAKE}
+  assert 0 < document["wall_s"] <= started.finished - started.started + 0.1
+  recorded = qualification.recorded_outcomes(run)  # its hashes recomputed from its text
+  assert recorded["recorded"].endswith("started before its phases")
+  items = by_check(qualification.from_checks(MODULES, recorded))
+  assert (items[("good", PASSES)]["status"], items[("bad", FAILS)]["status"]) == (
+      "pass", "unmeasured")
+  assert rundir.verify(run) == []
+
+
+def test_a_started_run_that_lacks_a_measured_check_is_replaced(fake_repo, tmp_path):
+  cap, run = str(tmp_path / "cap"), str(tmp_path / "run")
+  syn.make_capture(cap, syn.truth_tokens(docs=8))
+  syn.make_run(run, cap, [syn.Spec("good", "beam_inversion", 3, 0)], POL.sha256)
+  started = qualification.start_checks(MODULES, root=fake_repo, only=("bad",))
+  assert started.test_ids == (FAILS,)
+  document = qualification.run_and_record(run, MODULES, root=fake_repo, started=started)
+  assert started._process.returncode is not None  # stopped
+  assert sorted(document["tests"]) == sorted([PASSES, f"{CASES}[1]", f"{CASES}[2]"])
+  assert qualification.recorded_outcomes(run)["recorded"] == (
+      "run by the study (python -m pytest TEST_IDS)")
+  # Past its limit (counted from its start) a run is stopped and says so.
+  late = qualification.start_checks(MODULES, root=fake_repo)
+  document = qualification.run_and_record(run, MODULES, root=fake_repo, started=late,
+                                          timeout_s=0.0)
+  assert document["tests"] == {} and document["not_run"] == (
+      "the tests ran past the limit of 0 s")
+  assert late._process.returncode is not None
+
+
+def test_restricting_outcomes_keeps_a_parametrised_tests_cases_and_their_files():
+  document = {"tests": {PASSES: {"outcome": "passed"}, f"{CASES}[1]": {"outcome": "passed"},
+                        "tests/other.py::test_x": {"outcome": "failed"}},
+              "test_files": {FILE: FAKE, "tests/other.py": "x"}, "git_commit": "c"}
+  kept = qualification.restricted(document, [CASES])
+  assert kept["tests"] == {f"{CASES}[1]": {"outcome": "passed"}}
+  assert kept["test_files"] == {FILE: FAKE} and kept["git_commit"] == "c"
+  assert qualification.restricted(document, [f"{FILE}::test_cas"])["tests"] == {}
 
 
 @pytest.fixture(scope="module")

@@ -249,6 +249,9 @@ class Workspace:
     known_prefix: the tokens every document starts with, public (the model's BOS; E.C):
       an attack may start after them, and no position among them is scored. The
       calibration passages start with them too.
+    knowledge: the attacker's E.K weights, "public" (`params` are the victim's client) or
+      "trained" (pre-trained ones), when whoever built the workspace knows it (the replay
+      driver always does); None: unknown, and an attack assumes the weaker, "trained".
 
   A workspace holds arrays and metadata only: no ground truth, no document ids and no path
   to the capture, the study or the defender's key store (the replay driver keeps those;
@@ -270,6 +273,7 @@ class Workspace:
   capture_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
   capture_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   known_prefix: tuple[int, ...] = ()
+  knowledge: str | None = None
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
   _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
@@ -286,6 +290,8 @@ class Workspace:
         {str(k): bytes(v) for k, v in dict(self.capture_files).items()})
     self.capture_info = types.MappingProxyType(json.loads(json.dumps(dict(self.capture_info))))
     self.known_prefix = tuple(int(t) for t in self.known_prefix)
+    if self.knowledge not in (None, "public", "trained"):
+      raise ValueError(f"knowledge {self.knowledge!r}: 'public', 'trained' or None")
 
   @property
   def num_docs(self) -> int:

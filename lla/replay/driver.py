@@ -378,7 +378,8 @@ class Plan:
                               "params": dict(target["defense_params"] or {})},
                      capture_files=store.attack_files(self.capture),
                      capture_info=store.attack_metadata(self.capture),
-                     known_prefix=known_prefix(self.capture.metadata))
+                     known_prefix=known_prefix(self.capture.metadata),
+                     knowledge=self.attacker.knowledge)
 
   def record_fields(self, run_dir: str, e_hash: str, model_seed: int) -> dict:
     """The fields every record of this replay shares."""

@@ -69,7 +69,8 @@ def _workspace(run_dir: str, record, e: dict, memory_budget_bytes: int) -> Works
                  defense={"name": e["T"]["defense"], "params": dict(e["T"]["defense_params"] or {})},
                  capture_files=store.attack_files(capture),
                  capture_info=store.attack_metadata(capture),
-                 known_prefix=replay.known_prefix(capture.metadata))
+                 known_prefix=replay.known_prefix(capture.metadata),
+                 knowledge=e["K"]["weights"])
   return ws
 
 

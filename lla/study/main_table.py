@@ -314,13 +314,26 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                       int(config.memory_budget_mb) << 20)[0])
 
 
-def score(config, study: pathlib.Path) -> dict:
+def start_checks(config) -> study_qualification.ChecksRun | None:
+  """The qualification tests of every registered module the config's
+  `qualification.modules` names, started in the background before the phases (None where
+  the config carries outcomes or runs no tests); `score` keeps the measured modules'."""
+  checks = config.get("qualification")
+  if checks is None or checks.outcomes or not checks.run_checks:
+    return None
+  return study_qualification.start_checks(registry.module_entries(),
+                                          only=tuple(checks.modules))
+
+
+def score(config, study: pathlib.Path,
+          started: study_qualification.ChecksRun | None = None) -> dict:
   """The study's scorecard, with every registered module's coverage and qualification.
 
   The registered modules are recorded first as the study's threat space (the decoy
   driver's records join the study without a replay), and scoring reads them from there.
   Scoring is a pure function of the study's files, so a rerun after an interruption
-  rewrites it.
+  rewrites it. started: `start_checks`'s run, whose outcomes of the measured modules'
+  checks are recorded (they run now if it lacks any).
   """
   replay.record_threat_space(str(study))
   modules = threat_space.read(str(study)).modules
@@ -330,7 +343,7 @@ def score(config, study: pathlib.Path) -> dict:
   elif checks is not None and checks.run_checks:
     study_qualification.run_and_record(str(study), modules,
                                        timeout_s=60.0 * checks.timeout_minutes,
-                                       only=tuple(checks.modules))
+                                       only=tuple(checks.modules), started=started)
   evidence = study_qualification.evidence(str(study), config.scoring.policy, modules)
   return scorecard.score_run(str(study), config.scoring, qualification_evidence=evidence,
                              overwrite=True)
@@ -411,6 +424,20 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   tokenizer = None if loaded is None else loaded.text_tokenizer(
       "token files, which the main job does not take")
   _log_invocation(workdir, "started_unix", start)
+  checks = start_checks(config)
+  try:
+    return _phases(config, config_json, workdir, start, loaded, tokenizer, checks)
+  finally:
+    if checks is not None:
+      checks.cancel()  # (collected at scoring; stopped here if a phase failed)
+
+
+def _phases(config, config_json: dict, workdir: pathlib.Path, start: float, loaded,
+            tokenizer, checks: study_qualification.ChecksRun | None) -> pathlib.Path:
+  """Every phase of the job after its inputs were checked (`_run_locked`), from the base
+  model to the report."""
+  from lla.study import report
+  study = workdir / STUDY
   _phase(workdir, "pretrain / base model")
   splits = data.load_splits(**config.data.to_dict(), tokenizer=tokenizer)
   base, base_source = base_model(config, workdir, splits, loaded)
@@ -444,7 +471,7 @@ def _run_locked(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> pat
   _phase(workdir, "active server")
   active_server(config, workdir, base_source)
   _phase(workdir, "scoring")
-  score(config, study)
+  score(config, study, checks)
   rundir.finalize(str(study))
   logging.info("main table finished in %.0f s", time.time() - start)
   _phase(workdir, "report")

@@ -36,9 +36,11 @@ import ast
 import hashlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import lla
@@ -91,35 +93,122 @@ def _not_run(who: dict, why: str) -> dict:
           "not_run": why}
 
 
+def runnable_ids(root: pathlib.Path, test_ids: list[str]) -> list[str]:
+  """The ids that name a test function of a file that exists under `root`: an id pytest
+  cannot find stops its whole session, so only these are passed (the others have no
+  outcome)."""
+  return [t for t in test_ids if _defined(root, t)]
+
+
+# `python -c` of a background run: the lowest CPU priority, and SIGTERM when the thread that
+# started it ends (Linux's PR_SET_PDEATHSIG; its first argument is that process's pid, to
+# catch a parent that died before the signal was set), then pytest on the other arguments.
+# (Popen's preexec_fn would do it before exec, but forks a multithreaded JAX process.)
+_BACKGROUND = """\
+import ctypes, os, signal, sys
+os.nice(19)
+parent = int(sys.argv.pop(1))
+if sys.platform.startswith("linux"):
+  ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+  if os.getppid() != parent:
+    sys.exit("the process that started these tests has ended")
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+class ChecksRun:
+  """`python -m pytest TEST_IDS` in a subprocess, in `root` (default this checkout), with
+  the outcomes plugin: started when made, its outcomes document read by `outcomes`.
+
+  background=True runs it at the lowest CPU priority (nice 19), stopped when the thread
+  that started it ends: the main job starts it before its phases, so that the tests take the
+  cycles the phases leave idle (a compile runs on one core) instead of 3-4 minutes at its
+  end, and collects it when it scores.
+  """
+
+  def __init__(self, test_ids: list[str], root: str | os.PathLike | None = None,
+               background: bool = False):
+    self.root = pathlib.Path(root or repository_root())
+    self.started = time.time()
+    self._who = pytest_outcomes.identity(self.root)
+    self.test_ids = tuple(runnable_ids(self.root, test_ids))
+    self.not_run = None
+    if self._who["git_commit"] == pytest_outcomes.UNKNOWN:
+      self.not_run = f"{self.root} is not a git checkout: no commit names the tests' code"
+    elif not self.test_ids:  # (pytest without ids would run every test under root)
+      self.not_run = "no declared check names a test of this checkout"
+    self._process = self.finished = None
+    if self.not_run is None:
+      self._directory = tempfile.mkdtemp(prefix="lla-checks-")
+      self._path = os.path.join(self._directory, "outcomes.json")
+      env = dict(os.environ, **{pytest_outcomes.ENV: self._path})
+      pytest = ["-q", "-p", "lla.study.pytest_outcomes", "-p", "no:cacheprovider",
+                f"--rootdir={self.root}", *self.test_ids]
+      start = (["-c", _BACKGROUND, str(os.getpid())] if background else ["-m", "pytest"])
+      self._process = subprocess.Popen(
+          [sys.executable, *start, *pytest], cwd=self.root, env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      # Drains the pipe (a full one would stall pytest) and notes when the run ended.
+      self._output = ""
+      self._watcher = threading.Thread(target=self._watch, daemon=True)
+      self._watcher.start()
+
+  def _watch(self) -> None:
+    self._output = self._process.communicate()[0]
+    self.finished = time.time()
+
+  def covers(self, test_ids: list[str], root: str | os.PathLike | None = None) -> bool:
+    """Whether this run, in `root` (default this checkout), holds every runnable one of
+    `test_ids`."""
+    return (self.not_run is None and pathlib.Path(root or repository_root()) == self.root
+            and set(runnable_ids(self.root, test_ids)) <= set(self.test_ids))
+
+  def outcomes(self, timeout_s: float | None = None) -> dict:
+    """Waits for the run (at most `timeout_s` from its start) and returns the document it
+    wrote; past the limit it is killed and the document says so."""
+    if self._process is None:
+      return _not_run(self._who, self.not_run)
+    left = None if timeout_s is None else max(0.0, timeout_s - (time.time() - self.started))
+    self._watcher.join(left)
+    if self._watcher.is_alive():
+      self.cancel()
+      return _not_run(self._who, f"the tests ran past the limit of {timeout_s:.0f} s")
+    try:
+      if not os.path.exists(self._path):
+        raise RuntimeError(f"pytest wrote no outcomes (exit {self._process.returncode}): "
+                           f"{self._output[-2000:]}")
+      return files.read_json(self._path)
+    finally:
+      shutil.rmtree(self._directory, ignore_errors=True)
+
+  def cancel(self) -> None:
+    """Stops the run (if it is still running) and removes its files."""
+    if self._process is not None:
+      self._process.kill()
+      self._watcher.join()
+      shutil.rmtree(self._directory, ignore_errors=True)
+
+
 def run_checks(test_ids: list[str], root: str | os.PathLike | None = None,
                timeout_s: float | None = None) -> dict:
-  """Runs the named tests (`python -m pytest TEST_IDS` in a subprocess, in `root`, default
-  this checkout) with the outcomes plugin; returns the outcomes document it wrote. A test
-  that could not be collected has no outcome (its checks stay unmeasured); a checkout that
-  no commit names runs nothing (the document says why)."""
-  root = pathlib.Path(root or repository_root())
-  who = pytest_outcomes.identity(root)
-  if who["git_commit"] == pytest_outcomes.UNKNOWN:
-    return _not_run(who, f"{root} is not a git checkout: no commit names the tests' code")
-  # An id pytest cannot find stops the whole session, so only ids naming a test function
-  # of a file that exists are passed (the others have no outcome).
-  test_ids = [t for t in test_ids if _defined(root, t)]
-  if not test_ids:  # (pytest without ids would run every test under root)
-    return _not_run(who, "no declared check names a test of this checkout")
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "outcomes.json")
-    env = dict(os.environ, **{pytest_outcomes.ENV: path})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "lla.study.pytest_outcomes",
-           "-p", "no:cacheprovider", f"--rootdir={root}", *test_ids]
-    try:
-      proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
-                            timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      return _not_run(who, f"the tests ran past the limit of {timeout_s:.0f} s")
-    if not os.path.exists(path):
-      raise RuntimeError(f"pytest wrote no outcomes (exit {proc.returncode}): "
-                         f"{(proc.stdout + proc.stderr)[-2000:]}")
-    return files.read_json(path)
+  """Runs the named tests (`ChecksRun`) and returns the outcomes document they wrote. A
+  test that could not be collected has no outcome (its checks stay unmeasured); a checkout
+  that no commit names runs nothing (the document says why)."""
+  return ChecksRun(test_ids, root).outcomes(timeout_s)
+
+
+def restricted(document: dict, test_ids: list[str]) -> dict:
+  """`document` with only the outcomes of `test_ids` (a parametrised test's id stands for
+  its cases) and their test files; every kept outcome's hash still recomputes, since a
+  claim names its own test alone."""
+  wanted = set(test_ids)
+  kept = {t: r for t, r in document.get("tests", {}).items()
+          if t in wanted or t.partition("[")[0] in wanted}
+  sources = {pytest_outcomes.file_of(t) for t in kept}
+  return {**document, "tests": kept,
+          "test_files": {p: s for p, s in document.get("test_files", {}).items()
+                         if p in sources}}
 
 
 def verify_document(document: dict, where: str = "outcomes") -> None:
@@ -185,20 +274,41 @@ def record_outcomes(study: str, document: dict, how: str) -> str:
                             overwrite=True)
 
 
+def start_checks(modules: list[dict], root=None, only=()) -> ChecksRun:
+  """Starts the declared checks of every module in `modules` (of those named in `only`,
+  when given) in the background (`ChecksRun`), before it is known which the study will
+  measure; `run_and_record` keeps the outcomes of the measured ones."""
+  chosen = [m for m in modules if not only or m["name"] in only]
+  return ChecksRun(check_ids(chosen), root, background=True)
+
+
 def run_and_record(study: str, modules: list[dict], root=None,
-                   timeout_s: float | None = None, only=()) -> dict:
+                   timeout_s: float | None = None, only=(),
+                   started: ChecksRun | None = None) -> dict:
   """Runs the declared checks of the modules the study measured (`measured_modules`; of
   those named in `only`, when given) and logs the outcomes in the study, with the modules
-  whose checks ran and the seconds the run took (`wall_s`)."""
-  started = time.time()
+  whose checks ran and the seconds the run took (`wall_s`).
+
+  started: a run of `start_checks` in the same checkout; its outcomes of those checks are
+  kept (the rest dropped) when it holds all of them, else it is stopped and they run now.
+  `timeout_s` counts from the run's start either way.
+  """
   chosen = [m for m in measured_modules(study, modules) if not only or m["name"] in only]
-  document = run_checks(check_ids(chosen), root, timeout_s)
+  wanted = check_ids(chosen)
+  how = "run by the study (python -m pytest TEST_IDS)"
+  if started is not None and started.covers(wanted, root):
+    run, how = started, how + ", started before its phases"
+  else:
+    if started is not None:
+      started.cancel()
+    run = ChecksRun(wanted, root)
+  document = restricted(run.outcomes(timeout_s), wanted)
   # The study's own run: its hashes are checked, not its identity against this process's
   # (which a checkout edited while the tests ran would fail; `git_dirty` records that).
   verify_document(document, "the study's pytest run")
   document = {**document, "modules": sorted(m["name"] for m in chosen),
-              "wall_s": round(time.time() - started, 1)}
-  record_outcomes(study, document, "run by the study (python -m pytest TEST_IDS)")
+              "wall_s": round((run.finished or time.time()) - run.started, 1)}
+  record_outcomes(study, document, how)
   return document
 
 

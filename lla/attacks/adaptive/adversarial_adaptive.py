@@ -11,7 +11,8 @@ trains its own after the client is fixed:
     fine-tuned by the attacker from its weights on its calibration text with the victim's
     objective at the same alpha (`adversarial_shadow_steps` AdamW steps, every parameter,
     its own inverter initialised from its attack key): the shadow for trained knowledge,
-    as nopeek_adaptive's;
+    as nopeek_adaptive's, and none under public knowledge (revision 2), where the
+    attacker's client is the victim's, the best shadow there is;
   * through each, a fresh inverter of another architecture: a per-position classifier
     (one GELU hidden layer of `adversarial_inverter_hidden`, softmax over the vocabulary,
     cross-entropy on the tokens instead of regression onto embeddings), trained with Adam
@@ -120,7 +121,7 @@ class AdversarialAdaptive:
       budget_fields=("candidates", "beam_width", "ridge_alpha", "adversarial_shadow_steps",
                      "adversarial_shadow_lr", "adversarial_inverter_steps",
                      "adversarial_inverter_hidden"),
-      adapts_to=("adversarial",), reference_attack="activation",
+      adapts_to=("adversarial",), reference_attack="activation", revision=2,
       description="a fresh per-position classifier inverter (not the victim's regression "
       "MLP) trained after the client is fixed, through the attacker's client and a shadow "
       "adversarial fine-tune at the declared alpha; its candidates verified by beam search",
@@ -145,11 +146,17 @@ class AdversarialAdaptive:
     steps = int(budget.adversarial_shadow_steps)
     num, width = int(budget.candidates), int(budget.beam_width)
     shadow_key, own_key, shade_key = jax.random.split(key, 3)
+    own, own_score = self._through(ws, ws.params, own_key, hidden, num, width, budget)
+    if ws.knowledge == "public":
+      return registry.AttackResult(own, self._flops(ws, 0, hidden, num, width, budget,
+                                                    shadow=False), {
+          "alpha": alpha, "shadow_steps": 0, "documents_through_shadow": 0,
+          "shadow": "not trained: under public knowledge the attacker holds the victim's "
+                    "client"})
     shadow, _ = ws.stage(f"adversarial_shadow_{alpha:g}_{steps}",
                          lambda: self._fine_tune(ws, alpha, victim_hidden, steps,
                                                  float(budget.adversarial_shadow_lr),
                                                  shadow_key))
-    own, own_score = self._through(ws, ws.params, own_key, hidden, num, width, budget)
     shade, shade_score = self._through(ws, shadow, shade_key, hidden, num, width, budget)
     use_shadow = shade_score < own_score
     predictions = np.where(use_shadow[:, None], shade, own)
@@ -203,14 +210,17 @@ class AdversarialAdaptive:
         beam_attacks.beam_bytes_per_doc(ws, width, num))
     return np.asarray(predictions, np.int32), np.asarray(scores, np.float64)
 
-  def _flops(self, ws: Workspace, steps: int, hidden: int, num: int, width: int, budget):
+  def _flops(self, ws: Workspace, steps: int, hidden: int, num: int, width: int, budget,
+             shadow: bool = True):
+    """Analytic FLOPs: the shadow's `steps` training steps, and per client (the own, and
+    the shadow where there is one) its calibration rows, the classifier and the search."""
     cfg, rows = ws.cfg, ws.calibration_tokens.size
     forward = 2.0 * rows * (cfg.n_layer * cost.block_weights(cfg) + cfg.vocab_size * cfg.n_embd)
     classifier = 6.0 * rows * hidden * (cfg.n_embd + cfg.vocab_size)
     search = beam.analytic_flops(cfg, ws.cut, ws.num_docs, width, num, ws.seq_len,
                                  len(ws.known_prefix))
     return (steps * 3.0 * forward
-            + 2 * (adaptive.client_flops(ws, rows)
+            + (2 if shadow else 1) * (adaptive.client_flops(ws, rows)
                    + int(budget.adversarial_inverter_steps) * classifier + search))
 
 

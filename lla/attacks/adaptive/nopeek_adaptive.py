@@ -9,9 +9,12 @@ alpha, AdamW, `nopeek_shadow_steps` steps, every parameter trainable (as the vic
 fine-tune). Then the attack of PROTOCOL section 4 twice, through its own client and through
 the shadow (a ridge decoder fitted on that client's calibration activations proposes
 candidates, the beam search verifies them through it), and per document the search whose
-best beam explains the messages better: under `public` knowledge the attacker's own client
-is the victim's fine-tuned one, the best shadow there is. NoPeek has no secret: the attacker
-lacks only the victim's training data and randomness.
+best beam explains the messages better. Under `public` knowledge the attacker's own client
+is the victim's fine-tuned one, the best shadow there is: no shadow is trained and the
+attack is the search through it (revision 2; revision 1 also trained the shadow there,
+and at 847003a's `cpu` job it explained none of the 144 documents better, at 25 s a
+capture). NoPeek has no secret: the attacker lacks only the victim's training data and
+randomness.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class NoPeekAdaptive:
       "nopeek_adaptive", "beam_inversion", ("activations",),
       budget_fields=("candidates", "beam_width", "ridge_alpha", "nopeek_shadow_steps",
                      "nopeek_shadow_lr"),
-      adapts_to=("nopeek",), reference_attack="activation",
+      adapts_to=("nopeek",), reference_attack="activation", revision=2,
       description="shadow NoPeek client fine-tuned at the declared alpha (trained knowledge), "
       "ridge on its calibration activations, beam search through it",
       reference="../shared/notes/adaptive-attacks.md section 8; BiSR (Chen et al. CCS'24, "
@@ -86,13 +89,18 @@ class NoPeekAdaptive:
     alpha = float(adaptive.public_params(ws).get("alpha", 0.0))
     steps = int(budget.nopeek_shadow_steps)
     num, width = int(budget.candidates), int(budget.beam_width)
+    own, own_score, own_flops = adaptive.attack_through(ws, ws.params, num, width)
+    if ws.knowledge == "public":
+      return registry.AttackResult(own, own_flops, {
+          "alpha": alpha, "shadow_steps": 0, "documents_through_shadow": 0,
+          "shadow": "not trained: under public knowledge the attacker holds the victim's "
+                    "client"})
     shadow, losses = ws.stage(
         f"nopeek_shadow_{alpha:g}_{steps}",
         lambda: self._fine_tune(ws, alpha, steps, float(budget.nopeek_shadow_lr)),
         analytic=self._train_flops(ws, steps))
-    # The attacker's own client (under public knowledge, the victim's) and the shadow: per
-    # document, the one whose search explains the messages better.
-    own, own_score, own_flops = adaptive.attack_through(ws, ws.params, num, width)
+    # The attacker's own client and the shadow: per document, the one whose search
+    # explains the messages better.
     shade, shade_score, shade_flops = adaptive.attack_through(ws, shadow, num, width)
     use_shadow = shade_score < own_score
     predictions = np.where(use_shadow[:, None], shade, own)
