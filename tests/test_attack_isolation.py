@@ -131,6 +131,7 @@ def test_the_probe_finds_them_in_the_drivers_objects(setup):
   assert ws.knowledge == "public"  # the attacker's E.K, which an attack may read
   with pytest.raises(ValueError, match="knowledge 'exact'"):
     dataclasses.replace(ws, knowledge="exact")
+  assert dataclasses.replace(ws, knowledge="none").knowledge == "none"  # an active server's
   leaky = dataclasses.replace(ws, capture_info={"directory": str(cap)})
   assert (f"path {str(cap)!r} in api['workspace'].capture_info['directory']"
           in isolation_probe.probe({"workspace": leaky}, targets)["found"])

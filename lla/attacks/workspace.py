@@ -46,6 +46,7 @@ from lla.attacks import withheld
 from lla.model import cost
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
+from lla.protocol import tuple as protocol_tuple
 
 # (jitted function, argument tree, argument signatures) ->
 #     (executable, its dynamic keyword names, FLOPs per call or None).
@@ -249,9 +250,11 @@ class Workspace:
     known_prefix: the tokens every document starts with, public (the model's BOS; E.C):
       an attack may start after them, and no position among them is scored. The
       calibration passages start with them too.
-    knowledge: the attacker's E.K weights, "public" (`params` are the victim's client) or
-      "trained" (pre-trained ones), when whoever built the workspace knows it (the replay
-      driver always does); None: unknown, and an attack assumes the weaker, "trained".
+    knowledge: the attacker's E.K weights (lla.protocol.tuple.KNOWLEDGE): "public"
+      (`params` are the victim's client), "trained" (pre-trained ones) or "none" (no
+      weights: an active server's decoder), when whoever built the workspace knows it
+      (the replay driver always does); None: unknown, and an attack assumes it holds
+      less than the victim's client.
 
   A workspace holds arrays and metadata only: no ground truth, no document ids and no path
   to the capture, the study or the defender's key store (the replay driver keeps those;
@@ -290,8 +293,9 @@ class Workspace:
         {str(k): bytes(v) for k, v in dict(self.capture_files).items()})
     self.capture_info = types.MappingProxyType(json.loads(json.dumps(dict(self.capture_info))))
     self.known_prefix = tuple(int(t) for t in self.known_prefix)
-    if self.knowledge not in (None, "public", "trained"):
-      raise ValueError(f"knowledge {self.knowledge!r}: 'public', 'trained' or None")
+    if self.knowledge is not None and self.knowledge not in protocol_tuple.KNOWLEDGE:
+      raise ValueError(f"knowledge {self.knowledge!r}: one of {protocol_tuple.KNOWLEDGE} "
+                       "or None")
 
   @property
   def num_docs(self) -> int:
