@@ -365,6 +365,10 @@ def test_tiny_scorecard_carries_qualification_and_decoy_coverage(finished):
   # the other modules did not run: unmeasured, never assumed.
   outcomes = qualification.recorded_outcomes(study)
   assert outcomes["modules"] == sorted(config.qualification.modules)
+  assert outcomes["recorded"].endswith("started before its phases")
+  # The started run's modules were planned from the config before any record existed.
+  measured = {r.attack for r in records if r.status == "ok"}
+  assert measured <= set(main_table.planned_modules(config))
   dirty = outcomes["git_dirty"] is not False
   source = f"pytest outcome in {qualification.OUTCOMES_FILE}" + (
       f" ({qualification.DIRTY})" if dirty else "")

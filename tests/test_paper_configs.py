@@ -38,7 +38,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from configs import main_table as main_table_config
 from lla.evidence import rundir
 from lla.replay import regenerate
-from lla.study import main_table
+from lla.study import main_table, qualification
 
 pytestmark = pytest.mark.slow
 
@@ -149,6 +149,11 @@ def test_paper_variant_end_to_end(variant, bos, tmp_path, data_dir, monkeypatch)
   assert all(r.scored_positions == ("after_bos" if bos is not None else r.scored_positions)
              for r in records if not r.attack.startswith("decoy_"))
   assert report.exists() and variant in report.read_text()
+  # The checks started with the job were those of the modules it planned (not every
+  # registered module's), and they held every measured module's.
+  outcomes = qualification.recorded_outcomes(study)
+  assert outcomes["recorded"].endswith("started before its phases")
+  assert outcomes["modules"] == sorted({r.attack for r in records if r.status == "ok"})
   # Every attacker reloads from its pinned source with the id it was pinned under (a
   # fine-tuned copy keeps its base's tokenizer, so its id is the one the job recorded).
   regenerated = regenerate.check(study)

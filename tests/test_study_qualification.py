@@ -387,3 +387,21 @@ def test_the_matrix_marks_unrun_checks_unmeasured_beside_measured_runs(card):
   assert q["ridge"]["real_model"]["status"] == matrix_lib.NOT_QUALIFIED
   text = scorecard.markdown({**card, "qualification": q})
   assert "| activation | passive | unmeasured (not run) |" in text
+
+
+def test_the_main_job_starts_the_checks_of_the_modules_it_plans():
+  """A job whose phases measure ridge and the decoy split's modules plans exactly those
+  (listed here by hand); one whose named modules it does not plan starts nothing, where an
+  empty selection used to start every registered module's checks."""
+  from configs import main_table as main_table_config  # pylint: disable=g-import-not-at-top
+  from lla.study import main_table  # pylint: disable=g-import-not-at-top
+  config = main_table_config.get_config("tiny")
+  for field in ("secondary_attacks", "defenses"):
+    config[field] = ()
+  config.attacks, config.published.attacks, config.corpus_study.corpora = ("ridge",), (), ()
+  config.decoy.probe.classifiers = ("linear",)
+  assert main_table.planned_modules(config) == [
+      "decoy_content_forward_linear", "decoy_content_gradient_linear",
+      "decoy_content_joined_linear", "decoy_norm", "decoy_structural", "ridge"]
+  config.qualification.modules = ("sipit",)
+  assert main_table.start_checks(config) is None

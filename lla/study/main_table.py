@@ -314,15 +314,40 @@ def corpus_study(config, workdir: pathlib.Path, study: pathlib.Path, base, base_
                       int(config.memory_budget_mb) << 20)[0])
 
 
+def planned_modules(config) -> list[str]:
+  """The modules whose records the job's phases write into its study: the attack lists,
+  the published attacks, the corpus study's ridge, every defense's fitting attacks and
+  baselines (public knowledge, as the sweep attacks them) and the decoy split's modules.
+  The frontier and the active tier score studies of their own. A superset of what a run
+  measures (a phase with no target runs none), so the checks started from it hold every
+  measured module's."""
+  from lla.decoy import records as decoy_records  # pylint: disable=g-import-not-at-top
+  names = [*config.attacks, *config.secondary_attacks, *config.published.attacks]
+  if config.corpus_study.corpora:
+    names.append("ridge")
+  for configuration in defense_sweep.configurations(config):
+    attacks, baselines = defense_sweep.fitting_attacks(
+        configuration.defense(), {"activations", "gradients"}, "public",
+        tuple(config.defense_skip_attacks))
+    names += attacks + baselines
+  names += decoy_records.names(config.decoy)
+  return sorted(set(names))
+
+
 def start_checks(config) -> study_qualification.ChecksRun | None:
-  """The qualification tests of every registered module the config's
-  `qualification.modules` names, started in the background before the phases (None where
-  the config carries outcomes or runs no tests); `score` keeps the measured modules'."""
+  """The qualification tests of the modules the job will measure (`planned_modules`; of
+  those `qualification.modules` names, where it names some), started in the background
+  before the phases (None where the config carries outcomes, runs no tests or plans no
+  module with a check); `score` keeps the measured modules'."""
   checks = config.get("qualification")
   if checks is None or checks.outcomes or not checks.run_checks:
     return None
-  return study_qualification.start_checks(registry.module_entries(),
-                                          only=tuple(checks.modules))
+  planned = set(planned_modules(config))
+  chosen = [m for m in registry.module_entries() if m["name"] in planned
+            and (not checks.modules or m["name"] in checks.modules)]
+  if not study_qualification.check_ids(chosen):
+    return None
+  return study_qualification.start_checks(chosen)
 
 
 def score(config, study: pathlib.Path,

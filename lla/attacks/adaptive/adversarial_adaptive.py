@@ -148,11 +148,8 @@ class AdversarialAdaptive:
     shadow_key, own_key, shade_key = jax.random.split(key, 3)
     own, own_score = self._through(ws, ws.params, own_key, hidden, num, width, budget)
     if ws.knowledge == "public":
-      return registry.AttackResult(own, self._flops(ws, 0, hidden, num, width, budget,
-                                                    shadow=False), {
-          "alpha": alpha, "shadow_steps": 0, "documents_through_shadow": 0,
-          "shadow": "not trained: under public knowledge the attacker holds the victim's "
-                    "client"})
+      return adaptive.without_shadow(
+          own, self._flops(ws, 0, hidden, num, width, budget, shadow=False), alpha)
     shadow, _ = ws.stage(f"adversarial_shadow_{alpha:g}_{steps}",
                          lambda: self._fine_tune(ws, alpha, victim_hidden, steps,
                                                  float(budget.adversarial_shadow_lr),

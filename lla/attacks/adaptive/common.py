@@ -19,6 +19,7 @@ import numpy as np
 from lla.attacks.seed import beam
 from lla.attacks.seed import beam_attacks
 from lla.attacks import candidates as cand_lib
+from lla.attacks import registry
 from lla.attacks.workspace import Workspace
 from lla.model import cost
 from lla.model import split
@@ -27,6 +28,17 @@ from lla.model import split
 def public_params(ws: Workspace) -> dict:
   """The capture's public defense parameters (what the attacker is told), or {}."""
   return dict((ws.defense or {}).get("params") or {})
+
+
+def without_shadow(predictions: np.ndarray, flops: float,
+                   alpha: float) -> registry.AttackResult:
+  """The result of a shadow-client attack (nopeek_adaptive, adversarial_adaptive) under
+  public knowledge: the attacker holds the victim's fine-tuned client, the best shadow
+  there is, so it trains none and its search through that client is the attack."""
+  return registry.AttackResult(predictions, flops, {
+      "alpha": alpha, "shadow_steps": 0, "documents_through_shadow": 0,
+      "shadow": "not trained: under public knowledge the attacker holds the victim's "
+                "client"})
 
 
 def ridge_candidates(ws: Workspace, targets: np.ndarray, num: int) -> np.ndarray:

@@ -91,10 +91,7 @@ class NoPeekAdaptive:
     num, width = int(budget.candidates), int(budget.beam_width)
     own, own_score, own_flops = adaptive.attack_through(ws, ws.params, num, width)
     if ws.knowledge == "public":
-      return registry.AttackResult(own, own_flops, {
-          "alpha": alpha, "shadow_steps": 0, "documents_through_shadow": 0,
-          "shadow": "not trained: under public knowledge the attacker holds the victim's "
-                    "client"})
+      return adaptive.without_shadow(own, own_flops, alpha)
     shadow, losses = ws.stage(
         f"nopeek_shadow_{alpha:g}_{steps}",
         lambda: self._fine_tune(ws, alpha, steps, float(budget.nopeek_shadow_lr)),
