@@ -95,7 +95,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.plugins = ""
   # Pre-training of the base (configs/pretrain.py); skipped when model.hub/hf_dir is given.
   config.pretrain = pretrain.get_config("tiny" if tiny else "embedded")
-  # The one-time pre-training: 300 steps x 16 x 128 tokens (7.0 min on 2 idle cores at 917b9d5: docs/benchmarks.md section 1).
+  # The one-time pre-training: 300 steps x 16 x 128 tokens (7.0 min on 2 idle cores at
+  # 917b9d5: docs/benchmarks.md section 1).
   config.pretrain.num_steps = 20 if tiny else 300
   # The base model: architecture and, for `paper`, where its weights are.
   config.model = models.get_config(model_name)
