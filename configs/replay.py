@@ -53,4 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Per-chunk working set on CPU; documents are chunked to fit. On GPU and TPU chunks are
   # sized from the devices' free memory instead (lla.attacks.memory.chunk_budget_bytes).
   config.memory_budget_mb = 2048
+  # How the attacks' model calls run the layers: "auto" (unrolled on CPU, scanned on GPU
+  # and TPU), "scanned" (compile flat in the depth and the cut) or "unrolled"
+  # (lla.attacks.workspace.LAYER_FORMS; the same predictions and FLOPs in each).
+  config.layer_form = "auto"
   return config

@@ -4,12 +4,14 @@ Llama of each depth, each in a fresh process with an empty persistent compilatio
   python -m experiments.bench_compile --out=/tmp/bench_compile.json
   python -m experiments.bench_compile --repos=/tmp/before,. --out=...   # two code trees
   python -m experiments.bench_compile --programs --out=...   # the model's programs alone
+  python -m experiments.bench_compile --forms --out=...      # attacks, named against stacked
 
 Per (code tree, depth) one child process (this file, `--worker`, with PYTHONPATH set to the
 tree, so an older tree without this file is measured by the same harness) writes a random
 Llama (d = 128, 4 query / 2 KV heads of 32, MLP 344, tied head, `--vocab` tokens) as an
 hf_dir, captures `--docs` documents of `--tokens` random tokens at k = L/2 in training (h
-and g), and replays activation and SipIt on it at their default budgets. It reports the
+and g), and replays activation and SipIt on it at their default budgets, the replay's
+layers in `--layer_form` (a tree whose replay config has that field). It reports the
 seconds of JAX's own compile events (`jax.monitoring`: backend compile, and tracing plus
 lowering) and the wall seconds of each phase. The parent prints each tree's figures and the
 ratio of the deepest model to the shallowest, and writes them all as JSON. The children run
@@ -22,6 +24,17 @@ one scanned layer body) the compile seconds (lower + compile) and warm seconds o
 capture's `boundary_messages` on `--docs` x `--tokens`, and of the one-token step vmapped
 over 64 candidate tokens, both at k = L/2, and the h, g and step output of the two forms
 against each other (max relative difference).
+
+`--forms` measures what the attacks' workspace gains or loses by running the model on the
+stacked layers (`Workspace.layer_form`, "scanned" against "unrolled"): for each shape of
+`--shapes` (`embedded`, the main job's GPT-2, d 128, 8 layers, GPT-2's vocabulary;
+`gpt2_124m`, 12 layers, d 768; `smollm2`, SmolLM2-135M's Llama, 30 layers, d 576, 49,152
+tokens; random weights) and each
+form, one fresh process (empty compilation cache) runs each attack of `--attacks` on the
+messages of `--docs` x `--tokens` random tokens at k = `--cut`, 1 + `--warm_repeats` times on fresh
+workspaces: the first run's wall and compile seconds (its charge's), the fastest of the
+others (warm), its FLOPs and the sha256 of its predictions. The processes run one after the other, the unrolled
+form first.
 """
 
 import json
@@ -43,8 +56,18 @@ _ATTACKS = flags.DEFINE_string("attacks", "activation,sipit", "Attacks replayed.
 _OUT = flags.DEFINE_string("out", None, "JSON file of every figure.")
 _PROGRAMS = flags.DEFINE_bool("programs", False, "Measure the model's programs in-process, "
                               "named against stacked parameters.")
+_FORMS = flags.DEFINE_bool("forms", False, "Measure attacks with the workspace's layers "
+                           "unrolled against scanned (Workspace.layer_form), per shape.")
+_LAYER_FORM = flags.DEFINE_string("layer_form", "scanned", "The replay's layer_form (a code "
+                                  "tree whose replay config has the field).")
+_SHAPES = flags.DEFINE_list("shapes", ["embedded", "smollm2"], "--forms: model shapes.")
+_CUT = flags.DEFINE_integer("cut", 6, "--forms: the cut k.")
+_WARM_REPEATS = flags.DEFINE_integer("warm_repeats", 3, "--forms: warm runs (the fastest "
+                                     "is reported).")
 _WORKER = flags.DEFINE_bool("worker", False, "Internal: measure one depth in this process.")
 _N_LAYER = flags.DEFINE_integer("n_layer", 4, "Internal: the worker's depth.")
+_FORMS_WORKER = flags.DEFINE_string("forms_worker", "", "Internal: SHAPE:LAYER_FORM of one "
+                                    "--forms process.")
 
 COMPILE_EVENTS = {"backend_compile": "/jax/core/compile/backend_compile_duration",
                   "trace": "/jax/core/compile/jaxpr_trace_duration",
@@ -99,6 +122,8 @@ def worker(n_layer: int) -> dict:
   rep = replay_config.get_config("tiny_llama")
   rep.capture_dir, rep.attacker.hf_dir = str(work / "cap"), str(work / "hf")
   rep.calibration.tokens_npy, rep.attacks = str(work / "calibration.npy"), _ATTACKS.value
+  if "layer_form" in rep:
+    rep.layer_form = _LAYER_FORM.value
   phase("replay", lambda: replay_runner.replay_from_config(rep, str(work / "run")))
   total = {key: sum(p[key] for p in phases.values()) for key in phases["capture"]}
   return {"n_layer": n_layer, "cut": n_layer // 2, "phases": phases, "total": total}
@@ -149,6 +174,79 @@ def programs(n_layer: int) -> dict:
   return out
 
 
+def forms_worker(shape: str, layer_form: str) -> dict:
+  """`--forms`: each attack twice on fresh workspaces, in this (fresh) process."""
+  import hashlib
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from lla import runtime
+  from lla.attacks import registry
+  from lla.attacks.workspace import Workspace
+  from lla.model import decoder, gpt2, split
+
+  runtime.configure(Path(tempfile.mkdtemp(prefix="bench_forms_")) / "jax_cache")
+  if shape in ("embedded", "gpt2_124m"):
+    width, depth, heads = (128, 8, 4) if shape == "embedded" else (768, 12, 12)
+    cfg = gpt2.GPT2Config(vocab_size=50257, n_positions=128, n_embd=width, n_layer=depth,
+                          n_head=heads)
+    params = gpt2.random_params(cfg, 0)
+  elif shape == "smollm2":
+    cfg = decoder.DecoderConfig(family="llama", vocab_size=49152, n_positions=2048,
+                                n_embd=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64,
+                                d_ff=1536, rope_theta=1e5, tie_embeddings=True)
+    params = decoder.random_params(cfg, 0)
+  else:
+    raise app.UsageError(f"--shapes: {shape!r} is not one of embedded, gpt2_124m, smollm2")
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.vocab_size, (_DOCS.value, _TOKENS.value), dtype=np.int32)
+  calibration = rng.integers(0, cfg.vocab_size, (32, _TOKENS.value), dtype=np.int32)
+  h = np.asarray(split.client(params, cfg, jnp.asarray(tokens), _CUT.value))
+  out = {}
+  for name in _ATTACKS.value.split(","):
+    runs = []
+    for _ in range(1 + _WARM_REPEATS.value):
+      ws = Workspace(h, None, params, cfg, _CUT.value, calibration, layer_form=layer_form)
+      start = time.perf_counter()
+      result, charge = registry.execute(name, ws, {}, jax.random.key(0))
+      runs.append({"wall_s": time.perf_counter() - start, "compile_s": charge.compile_s,
+                   "flops": charge.flops, "predictions_sha256": hashlib.sha256(
+                       np.asarray(result.predictions, np.int32).tobytes()).hexdigest()})
+    out[name] = {"first": runs[0], "warm": min(runs[1:], key=lambda run: run["wall_s"])}
+  return out
+
+
+def measure_forms(shape: str, layer_form: str) -> dict:
+  """`forms_worker` in a fresh Python process."""
+  with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                    f"--forms_worker={shape}:{layer_form}", f"--docs={_DOCS.value}",
+                    f"--tokens={_TOKENS.value}", f"--attacks={_ATTACKS.value}",
+                    f"--cut={_CUT.value}", f"--warm_repeats={_WARM_REPEATS.value}",
+                    f"--out={out.name}"], check=True,
+                   cwd=Path(__file__).resolve().parents[1])
+    return json.loads(Path(out.name).read_text())
+
+
+def forms() -> dict:
+  """`--forms` for every shape: {shape: {"named" | "stacked": {attack: runs}}}; printed."""
+  results = {}
+  for shape in _SHAPES.value:
+    results[shape] = {form: measure_forms(shape, layer_form)
+                      for form, layer_form in (("named", "unrolled"), ("stacked", "scanned"))}
+    for name in _ATTACKS.value.split(","):
+      named, stacked = results[shape]["named"][name], results[shape]["stacked"][name]
+      same = named["warm"]["predictions_sha256"] == stacked["warm"]["predictions_sha256"]
+      print(f"{shape:>9} {name:>11}: first call {named['first']['wall_s']:.1f} / "
+            f"{stacked['first']['wall_s']:.1f} s (compile {named['first']['compile_s']:.1f} / "
+            f"{stacked['first']['compile_s']:.1f}), warm {named['warm']['wall_s']:.2f} / "
+            f"{stacked['warm']['wall_s']:.2f} s "
+            f"(x{stacked['warm']['wall_s'] / named['warm']['wall_s']:.2f}), "
+            f"FLOPs x{stacked['warm']['flops'] / named['warm']['flops']:.4f}, "
+            f"predictions {'identical' if same else 'DIFFER'} (named / stacked)")
+  return results
+
+
 def measure(repo: Path, n_layer: int) -> dict:
   """`worker(n_layer)` in a fresh Python process importing `repo`'s lla."""
   with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -156,7 +254,8 @@ def measure(repo: Path, n_layer: int) -> dict:
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker",
                     f"--n_layer={n_layer}", f"--vocab={_VOCAB.value}", f"--docs={_DOCS.value}",
                     f"--tokens={_TOKENS.value}", f"--attacks={_ATTACKS.value}",
-                    f"--out={out.name}"], cwd=repo, env=env, check=True)
+                    f"--layer_form={_LAYER_FORM.value}", f"--out={out.name}"], cwd=repo, env=env,
+                   check=True)
     return json.loads(Path(out.name).read_text())
 
 
@@ -164,6 +263,17 @@ def main(argv):
   del argv
   if _WORKER.value:
     Path(_OUT.value).write_text(json.dumps(worker(_N_LAYER.value)))
+    return
+  if _FORMS_WORKER.value:
+    shape, layer_form = _FORMS_WORKER.value.split(":")
+    Path(_OUT.value).write_text(json.dumps(forms_worker(shape, layer_form)))
+    return
+  if _FORMS.value:
+    results = forms()
+    if _OUT.value:
+      Path(_OUT.value).write_text(json.dumps(
+          {"docs": _DOCS.value, "tokens": _TOKENS.value, "cut": _CUT.value,
+           "attacks": _ATTACKS.value, "results": results}, indent=1))
     return
   depths = [int(n) for n in _LAYERS.value]
   if _PROGRAMS.value:

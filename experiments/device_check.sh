@@ -29,6 +29,12 @@
 #                    (experiments/bench_precision.py, the process-wide precision of lla.runtime)
 #   run.log          everything the steps printed, the kernel tests' (tests/test_kernels_vocab_topk.py)
 #                    included
+#
+# A second call, `bash experiments/device_check.sh forms` (timeout_s=600), writes forms.json
+# and forms.log: the attacks' model calls with the layers unrolled against scanned
+# (Workspace.layer_form, whose "auto" scans on an accelerator without a measurement there
+# yet) at GPT-2 124M's and SmolLM2's shapes (FORMS_SHAPES), on FORMS_DOCS documents
+# (experiments/bench_compile.py --forms).
 # Sizes can be lowered for a dry run on CPU: DOCS, KERNEL_ROWS, TORCH_DOCS, PRECISION_DOCS,
 # PRECISIONS (float32 alone on CPU, which has no TF32 or bf16 matmul precision). The step
 # limits add up to 570 s: call the tool with timeout_s=600.
@@ -63,9 +69,7 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, logs,
   echo "== $name: exit $rc" | tee -a "$OUT/run.log"
 }
 
-run() {
-  : "${OUT:?set OUT to the folder that receives the results}"
-  mkdir -p "$OUT"
+site() {  # The packages of .device/whl, lla_kernels and the data, for python3 here.
   if [[ -d .device/whl ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/lla_site .device/whl/*.whl || return 1
@@ -76,6 +80,12 @@ run() {
   if [[ -d .device/data ]]; then export LLA_DATA_DIR="$PWD/.device/data"; fi
   : "${LLA_DATA_DIR:?no .device/data and no LLA_DATA_DIR: run prepare first}"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+}
+
+run() {
+  : "${OUT:?set OUT to the folder that receives the results}"
+  mkdir -p "$OUT"
+  site || return 1
   {
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     python3 -c 'import sys, jax, jaxlib; print(sys.version); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print(jax.devices())'
@@ -98,8 +108,21 @@ run() {
   ls -l "$OUT"
 }
 
+forms() {
+  : "${OUT:?set OUT to the folder that receives the results}"
+  mkdir -p "$OUT"
+  site || return 1
+  timeout 580 python3 -m experiments.bench_compile --forms \
+    --shapes="${FORMS_SHAPES:-gpt2_124m,smollm2}" \
+    --docs="${FORMS_DOCS:-64}" --attacks=activation,sipit --warm_repeats=2 \
+    --out="$OUT/forms.json" \
+    >"$OUT/forms.log" 2>&1
+  tail -5 "$OUT/forms.log"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: bash experiments/device_check.sh prepare|run" >&2; exit 2 ;;
+  forms) forms ;;
+  *) echo "usage: bash experiments/device_check.sh prepare|run|forms" >&2; exit 2 ;;
 esac

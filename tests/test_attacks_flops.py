@@ -13,6 +13,8 @@ the helpers are the integers of the GPT-2-only formulas they replaced (12 d^2, d
 GPT-2 model evaluates to the same float.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,3 +297,59 @@ def test_xla_counts_the_client_and_the_beam_loop_above_the_block_count(family):
   floor = beam.analytic_flops(cfg, k, docs, width, num, seq_len) - shared
   ratio = xla(loop) * seq_len / floor  # XLA counts the loop's body once
   assert BLOCK_BAND[0] <= ratio <= BLOCK_BAND[1], (family, ratio)
+
+
+# Deep enough that a layer loop of the stacked form has several trips at the cut (the
+# one-token step runs its first layer apart, so k = 2 would leave a loop of one trip).
+DEEP = {"gpt2": GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_head=4, n_layer=6),
+        "llama": dataclasses.replace(LLAMA, n_layer=6)}
+DEEP_CUT = 5
+
+
+@pytest.mark.parametrize("family", list(DEEP))
+def test_a_layer_loop_is_charged_every_iteration(family):
+  """XLA counts a while loop's body once; the meter adds a layer loop's other iterations,
+  so the stacked form's client and beam loop are charged what the unrolled layers are
+  (the named tree's count, which has no loop to correct)."""
+  cfg = DEEP[family]
+  named = family_params(cfg)
+  stacked = split.computation_form(named, cfg)
+  rng = np.random.default_rng(1)
+  docs, seq_len, num, width = 2, 6, 3, 2
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (docs, seq_len)), jnp.int32)
+  target = rng.standard_normal((docs, seq_len, cfg.n_embd), dtype=np.float32)
+  candidates = rng.integers(0, cfg.vocab_size, (docs, seq_len, num)).astype(np.int32)
+  counts = {}
+  for form, params in (("named", named), ("stacked", stacked)):
+    client = split.client.lower(params, cfg, tokens, DEEP_CUT).compile()
+    loop = workspace_lib.scan_steps.lower(
+        (params,), beam.start(target, cfg=cfg, k=DEEP_CUT, width=width),
+        beam.positions(target, candidates), step=beam.step, static=(("cfg", cfg),)).compile()
+    counts[form] = [(workspace_lib._flops_of(e), workspace_lib._layer_loop_flops(e))
+                    for e in (client, loop)]
+  for (named_count, named_loops), (stacked_count, stacked_loops) in zip(counts["named"],
+                                                                         counts["stacked"]):
+    assert named_loops == 0.0
+    assert stacked_loops > 0.5 * named_count  # most of the layers run as added iterations
+    assert stacked_count == pytest.approx(named_count, rel=2e-3)
+
+
+@pytest.mark.parametrize("family", list(DEEP))
+@pytest.mark.parametrize("name", ["activation", "sipit"])
+def test_an_attack_on_the_stacked_layers_predicts_and_is_charged_as_unrolled(family, name):
+  cfg = DEEP[family]
+  params = family_params(cfg)
+  rng = np.random.default_rng(4)
+  tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+  calibration = rng.integers(0, cfg.vocab_size, (N_CAL, T)).astype(np.int32)
+  h = np.asarray(split.client(params, cfg, jnp.asarray(tokens), DEEP_CUT))
+  runs = {}
+  for form in ("unrolled", "scanned"):
+    ws = Workspace(h, None, params, cfg, DEEP_CUT, calibration, layer_form=form)
+    assert ws.scan_layers == (form == "scanned")
+    runs[form] = registry.execute(name, ws, BUDGET, jax.random.key(0))
+  (unrolled, unrolled_charge), (scanned, scanned_charge) = runs["unrolled"], runs["scanned"]
+  np.testing.assert_array_equal(scanned.predictions, unrolled.predictions)
+  assert scanned_charge.flops_source == unrolled_charge.flops_source == "xla"
+  assert scanned_charge.flops == pytest.approx(unrolled_charge.flops, rel=5e-3)
+  assert scanned_charge.flops_analytic == unrolled_charge.flops_analytic

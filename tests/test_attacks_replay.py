@@ -201,6 +201,19 @@ def test_chunking_invariance(setup, reference_run):
     assert prediction_bytes(root / name) == reference, name
 
 
+def test_replay_on_the_scanned_layers_equals_the_unrolled_one(setup, reference_run):
+  """The layer form is how the model runs, not what it computes: the same predictions as
+  the reference run (CPU's "auto" unrolls), with the same FLOPs charged."""
+  root, attacker, _ = setup
+  run_a, records_a = reference_run
+  records = run(root, attacker, "run_scanned", attacks=STAGES, layer_form="scanned")
+  reference = {k: v for k, v in prediction_bytes(run_a).items() if k in STAGES}
+  assert prediction_bytes(root / "run_scanned") == reference
+  flops = {r.attack: r.flops for r in records_a}
+  for r in records:
+    assert r.flops == pytest.approx(flops[r.attack], rel=5e-3), r.attack
+
+
 _SHARDED = textwrap.dedent("""
     import sys, jax, ml_collections, numpy as np
     from lla.replay import driver as replay
@@ -368,6 +381,8 @@ def test_replay_binary_bad_inputs_are_one_line_errors(setup, reference_run, tmp_
        f", {CFG.vocab_size}]"),
       ((f"--config.calibration.tokens_npy={tmp_path / 'cal_negative.npy'}",), range_ids + "-3, ",
        "]"),
+      (("--config.layer_form=stacked",), "error: layer_form 'stacked': one of ('auto', "
+       "'scanned', 'unrolled')", ""),
   ]
   for extra, start, end in cases:
     proc = _replay_binary(root, root / "cap", workdir, "activation", *extra)

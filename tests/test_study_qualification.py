@@ -305,7 +305,8 @@ def test_a_started_run_that_lacks_a_measured_check_is_replaced(fake_repo, tmp_pa
   cap, run = str(tmp_path / "cap"), str(tmp_path / "run")
   syn.make_capture(cap, syn.truth_tokens(docs=8))
   syn.make_run(run, cap, [syn.Spec("good", "beam_inversion", 3, 0)], POL.sha256)
-  started = qualification.start_checks(MODULES, root=fake_repo, only=("bad",))
+  started = qualification.start_checks([m for m in MODULES if m["name"] == "bad"],
+                                       root=fake_repo)
   assert started.test_ids == (FAILS,)
   document = qualification.run_and_record(run, MODULES, root=fake_repo, started=started)
   assert started._process.returncode is not None  # stopped

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import time
 import types
 from typing import Any, Callable, Mapping
@@ -35,6 +36,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lib import xla_client
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lla import dist
@@ -44,6 +46,7 @@ from lla.attacks import memory
 from lla.attacks import ridge
 from lla.attacks import withheld
 from lla.model import cost
+from lla.model import layer_stack
 from lla.model import split
 from lla.model.gpt2 import GPT2Config
 from lla.protocol import tuple as protocol_tuple
@@ -57,6 +60,17 @@ STATUS_ERROR_CHARS = 2000  # of an error message passed between processes
 # hand (tests/test_attacks_flops.py, lla.attacks.xla_counts). On an H200 it left out
 # the matmuls (docs/kernels.md): elsewhere an attack is charged its analytic count.
 XLA_COUNT_CHECKED = ("cpu",)
+# How the attacks' model calls run the layers (`Workspace.layer_form`): "scanned" (the
+# layers stacked once, a range of them one loop of a single layer body, so a program's size
+# and compile time do not grow with the depth or the cut), "unrolled" (one copy of the
+# layer per layer, the HF-named tree), or "auto": unrolled on CPU, scanned elsewhere. On
+# CPU the scan compiles flat in the depth but runs slower warm (every iteration copies its
+# layer's weights out of the stack): at the `cpu` job's GPT-2 (8 layers, d 128, k = 6) the
+# beam search 1.10x and SipIt 1.27x the unrolled wall time, for equal first calls
+# (docs/benchmarks.md section 16, `bench_compile --forms`), so a job of many documents loses
+# more than it compiles. Predictions and charged FLOPs are the same in either form
+# (tests/test_attacks_flops.py).
+LAYER_FORMS = ("auto", "scanned", "unrolled")
 
 
 @functools.partial(jax.jit, static_argnames=("step", "static"))
@@ -80,6 +94,7 @@ def run_steps(step, consts, state, xs, **static):
 def _flops_of(executable) -> float | None:
   try:
     cost = executable.cost_analysis()
+    layer_loops = _layer_loop_flops(executable)
   except Exception:  # Backends without cost analysis raise assorted errors.
     return None
   if isinstance(cost, (list, tuple)):
@@ -87,7 +102,40 @@ def _flops_of(executable) -> float | None:
   if cost is None:
     return None
   # An executable without arithmetic (allocation, gathers) has no "flops" entry: zero.
-  return max(float(cost.get("flops", 0.0)), 0.0)
+  return max(float(cost.get("flops", 0.0)), 0.0) + layer_loops
+
+
+# A while loop over a model's layers (lla.model.layer_stack.scan) in compiled HLO text: its
+# body computation and trip count.
+_LAYER_LOOP = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+).*op_name=\"[^\"]*"
+                         + re.escape(layer_stack.LOOP_SCOPE)
+                         + r"[^\"]*\".*\"known_trip_count\":\{\"n\":\"(\d+)\"\}")
+
+
+def _layer_loop_flops(executable) -> float:
+  """The FLOPs of every iteration but the first of the layer loops in a compiled executable.
+
+  XLA's cost analysis counts a while loop's body once. Given the layers' computation form
+  (`Workspace.model_params`) the models run a range of layers as one loop
+  (`layer_stack.scan`), so the executable's count plus this is what ran, as with the layers
+  unrolled (tested equal: tests/test_attacks_flops.py). Each loop body is counted by XLA as
+  the entry of a copy of the module; a loop nested in another (the layers inside a beam
+  search's positions) is added once per iteration of the outer body, which the outer
+  loop's own multiplier (`Workspace.scan`'s trips) then scales. An executable without
+  compiled HLO (a `Lowered`) has nothing added."""
+  if not hasattr(executable, "runtime_executable"):
+    return 0.0
+  runtime_executable = executable.runtime_executable()
+  text = runtime_executable.hlo_modules()[0].to_string()
+  flops = 0.0
+  for body, trips in _LAYER_LOOP.findall(text):
+    lines = [line.removeprefix("ENTRY ") for line in text.splitlines()]
+    lines = ["ENTRY " + line if re.match(rf"%?{re.escape(body)} ", line) else line
+             for line in lines]
+    module = xla_client.hlo.hlo_module_from_text("\n".join(lines))
+    cost = xla_client._xla.hlo_module_cost_analysis(runtime_executable.client, module)  # pylint: disable=protected-access
+    flops += (int(trips) - 1) * max(float(cost.get("flops", 0.0)), 0.0)
+  return flops
 
 
 def _signature(x):
@@ -255,6 +303,9 @@ class Workspace:
       weights: an active server's decoder), when whoever built the workspace knows it
       (the replay driver always does); None: unknown, and an attack assumes it holds
       less than the victim's client.
+    layer_form: how the model calls that take `model_params` run the layers, one of
+      LAYER_FORMS (the same predictions and FLOPs in each; its compile and warm seconds
+      differ).
 
   A workspace holds arrays and metadata only: no ground truth, no document ids and no path
   to the capture, the study or the defender's key store (the replay driver keeps those;
@@ -277,6 +328,7 @@ class Workspace:
   capture_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   known_prefix: tuple[int, ...] = ()
   knowledge: str | None = None
+  layer_form: str = "auto"
   costs: dict = dataclasses.field(default_factory=dict)
   _cache: dict = dataclasses.field(default_factory=dict)
   _depends: dict = dataclasses.field(default_factory=dict)  # stage -> stages it used
@@ -296,6 +348,8 @@ class Workspace:
     if self.knowledge is not None and self.knowledge not in protocol_tuple.KNOWLEDGE:
       raise ValueError(f"knowledge {self.knowledge!r}: one of {protocol_tuple.KNOWLEDGE} "
                        "or None")
+    if self.layer_form not in LAYER_FORMS:
+      raise ValueError(f"layer_form {self.layer_form!r}: one of {LAYER_FORMS}")
 
   @property
   def num_docs(self) -> int:
@@ -309,6 +363,21 @@ class Workspace:
   def doc_index(self) -> np.ndarray:
     """[B] int32 each document's index in the capture (for per-document randomness)."""
     return np.arange(self.num_docs, dtype=np.int32)
+
+  @property
+  def scan_layers(self) -> bool:
+    """Whether `model_params` is the stacked form (`layer_form`, "auto" by platform)."""
+    if self.layer_form == "auto":
+      return self.platform != "cpu"
+    return self.layer_form == "scanned"
+
+  @property
+  def model_params(self) -> dict:
+    """`params` in the form the attacks' compiled model calls take (`layer_form`): the
+    computation form (`split.computation_form`, stacked once per tree) or the HF-named tree.
+    An attack that reads or replaces named layers, or differentiates by them, uses
+    `params`."""
+    return split.computation_form(self.params, self.cfg) if self.scan_layers else self.params
 
   @property
   def wte(self) -> jax.Array:
@@ -485,7 +554,7 @@ class Workspace:
     `calibration_activations`; analytic FLOPs as lla.attacks.flops.calibration_activations:
     2 per weight-matrix entry of each block, T H D for attention)."""
     rows, width = self.calibration_tokens.size, cost.attention_width(self.cfg)
-    compute = lambda: np.asarray(self.call(split.client, self.params, cfg=self.cfg,
+    compute = lambda: np.asarray(self.call(split.client, self.model_params, cfg=self.cfg,
                                            tokens=jnp.asarray(self.calibration_tokens),
                                            k=self.cut))
     return self.stage("calibration_activations", compute,

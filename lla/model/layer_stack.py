@@ -13,14 +13,14 @@ needs, and what costs no conversion inside a traced function).
 The stack is made outside the traced function, not inside it: stacking inside copies every
 layer's weights on every call, which on CPU made the one-token step 3x slower
 (docs/benchmarks.md section 16). `computation_form` caches the stack of a tree, so that a
-caller converts each model once. On CPU the scanned one-token step is still slower than the
-unrolled one (each iteration copies its layer's weights out of the stack; section 16), so
-the attacks' workspace still passes the HF-named tree; the captures (many rows per call,
-where the copy is hidden, and one program per cut) run on the stack.
+caller converts each model once. On CPU the scanned one-token step is still slower warm than
+the unrolled one (each iteration copies its layer's weights out of the stack; section 16),
+so the attacks' workspace passes this form where its `layer_form` asks (by default on GPU
+and TPU, not on CPU); the captures (many rows per call, where the copy is hidden, and one
+program per cut) run on the stack.
 
 XLA's cost analysis counts a while loop's body once: the loops are named (`LOOP_SCOPE`) so
-that a FLOP meter can add their other iterations (as 7f1153e's
-`workspace._layer_loop_flops` did) before metered computations receive this form.
+that the attacks' FLOP meter adds their other iterations (`workspace._layer_loop_flops`).
 """
 
 from __future__ import annotations

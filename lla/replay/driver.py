@@ -36,7 +36,7 @@ from lla import provenance as provenance_lib
 from lla import runtime
 from lla.attacks import budget as budget_lib
 from lla.attacks import registry
-from lla.attacks.workspace import Workspace, document_mesh, spans_processes
+from lla.attacks.workspace import LAYER_FORMS, Workspace, document_mesh, spans_processes
 from lla.capture import store
 from lla.defenses import aware
 from lla.evidence import files, rundir
@@ -284,7 +284,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
            reference_prefix: str | None = None, model_seed: int = 0,
            memory_budget_bytes: int = 2 << 30, mesh="auto",
            calibration_defense: dict | None = None, seal: bool = False,
-           lock_wait_s: float = 0.0) -> list[AttackRecord]:
+           lock_wait_s: float = 0.0, layer_form: str = "auto") -> list[AttackRecord]:
   """Runs `attacks` on the capture at `capture_dir`; returns their records.
 
   Args:
@@ -309,6 +309,7 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
     lock_wait_s: how long to wait for another writer's lock on `run_dir`
       (rundir.locked) before refusing; the lock is held from the checks of the run
       directory to the seal.
+    layer_form: how the attacks' model calls run the layers (workspace.LAYER_FORMS).
 
   Raises:
     ReplayInputError, registry.IncompatibleCaptureError, budget.BudgetError,
@@ -318,6 +319,8 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
   if not dist.is_leader():
     raise RuntimeError(f"process {dist.process_index()}: replay runs on process 0 of a job "
                        "across processes; the others serve it with lla.replay.driver.follow")
+  if layer_form not in LAYER_FORMS:
+    raise ReplayInputError(f"layer_form {layer_form!r}: one of {LAYER_FORMS}")
   check_workdir(run_dir, capture_dir)
   plan = prepare(capture_dir, attacker, attacks, budget, seed, calibration_defense)
   capture, specs, e = plan.capture, plan.specs, plan.e
@@ -331,12 +334,13 @@ def replay(run_dir: str, capture_dir: str, attacker: Attacker, attacks: list[str
       e_hash = _register_protocol(run_dir, e)
       pin_inputs(run_dir, e_hash, plan.attacker, calibration_defense)
       record_threat_space(run_dir)
-      ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh)
+      ws = plan.workspace(memory_budget_bytes, document_mesh() if mesh == "auto" else mesh,
+                          layer_form)
       done = {spec.name: _finished(run_dir, file_name(run_prefix + spec.name), spec)
               for spec in specs}
       todo = [spec.name for spec in specs if done[spec.name] is None]
       if todo and spans_processes(ws.mesh):
-        dist.send(plan.request(todo, memory_budget_bytes))
+        dist.send(plan.request(todo, memory_budget_bytes, layer_form))
       common = plan.record_fields(run_dir, e_hash, model_seed)
       records = []
       for spec in specs:
@@ -366,7 +370,7 @@ class Plan:
   calibration_transform: object
   e: dict
 
-  def workspace(self, memory_budget_bytes: int, mesh) -> Workspace:
+  def workspace(self, memory_budget_bytes: int, mesh, layer_form: str = "auto") -> Workspace:
     target = self.capture.metadata["protocol"]["T"]
     return Workspace(self.capture.activations, self.capture.gradients, self.attacker.params,
                      self.attacker.cfg, int(target["cut"]), self.attacker.calibration_tokens,
@@ -379,7 +383,7 @@ class Plan:
                      capture_files=store.attack_files(self.capture),
                      capture_info=store.attack_metadata(self.capture),
                      known_prefix=known_prefix(self.capture.metadata),
-                     knowledge=self.attacker.knowledge)
+                     knowledge=self.attacker.knowledge, layer_form=layer_form)
 
   def record_fields(self, run_dir: str, e_hash: str, model_seed: int) -> dict:
     """The fields every record of this replay shares."""
@@ -393,7 +397,7 @@ class Plan:
         defense=str(target["defense"]), defense_params=dict(target["defense_params"] or {}),
         seed=int(self.seed), provenance=provenance())
 
-  def request(self, attacks: list[str], memory_budget_bytes: int) -> dict:
+  def request(self, attacks: list[str], memory_budget_bytes: int, layer_form: str) -> dict:
     """What a follower needs to take its share of `attacks` (JSON)."""
     buffer = io.BytesIO()
     np.save(buffer, self.attacker.calibration_tokens, allow_pickle=False)
@@ -404,7 +408,7 @@ class Plan:
             "calibration_npy": base64.b64encode(buffer.getvalue()).decode(),
             "attacks": list(attacks), "budget": self.values, "seed": int(self.seed),
             "calibration_defense": self.calibration_defense,
-            "memory_budget_bytes": int(memory_budget_bytes)}
+            "memory_budget_bytes": int(memory_budget_bytes), "layer_form": layer_form}
 
 
 def prepare(capture_dir: str, attacker: Attacker, attacks: list[str], budget, seed: int,
@@ -569,6 +573,7 @@ def _serve(request: dict, models: dict) -> None:
   if plan.capture.manifest_sha256 != request["capture_sha256"]:
     raise ValueError(f"process {dist.process_index()}: capture {request['capture_dir']} differs "
                      "from process 0's (manifest hash)")
-  ws = plan.workspace(int(request["memory_budget_bytes"]), document_mesh())
+  ws = plan.workspace(int(request["memory_budget_bytes"]), document_mesh(),
+                      request["layer_form"])
   for spec in plan.specs:
     execute(ws, spec, plan.values, plan.seed)

@@ -135,4 +135,4 @@ def replay_from_config(config: ml_collections.ConfigDict, workdir: str,
                          model_seed=int(config.model_seed), memory_budget_bytes=chunk_budget,
                          calibration_defense=calibration_defense(
                              config.capture_dir, config.get("calibration_defense_seed")),
-                         seal=True, lock_wait_s=lock_wait_s)
+                         seal=True, lock_wait_s=lock_wait_s, layer_form=config.layer_form)

@@ -274,12 +274,12 @@ def record_outcomes(study: str, document: dict, how: str) -> str:
                             overwrite=True)
 
 
-def start_checks(modules: list[dict], root=None, only=()) -> ChecksRun:
-  """Starts the declared checks of every module in `modules` (of those named in `only`,
-  when given) in the background (`ChecksRun`), before it is known which the study will
-  measure; `run_and_record` keeps the outcomes of the measured ones."""
-  chosen = [m for m in modules if not only or m["name"] in only]
-  return ChecksRun(check_ids(chosen), root, background=True)
+def start_checks(modules: list[dict], root=None) -> ChecksRun:
+  """Starts the declared checks of every module in `modules` in the background
+  (`ChecksRun`), before it is known which the study will measure; `run_and_record` keeps
+  the outcomes of the measured ones. The caller chooses the modules (the main job: those it
+  plans to measure, `lla.study.main_table.start_checks`)."""
+  return ChecksRun(check_ids(modules), root, background=True)
 
 
 def run_and_record(study: str, modules: list[dict], root=None,

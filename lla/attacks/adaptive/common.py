@@ -55,7 +55,7 @@ def beam_on(ws: Workspace, targets: np.ndarray, candidates: np.ndarray,
   """The activation-matching beam search of PROTOCOL section 4 on targets [B, T, d] instead
   of the observed messages: (predictions [B, T] int32, the best beam's summed squared
   distance to its target [B])."""
-  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
+  search = lambda h, c: beam.search(ws.model_params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
                                     prefix=ws.known_prefix)
   predictions, scores = ws.map_documents(
       search, (np.asarray(targets, np.float32), np.asarray(candidates, np.int32)),
@@ -93,7 +93,7 @@ def client_rows(ws: Workspace, tokens: np.ndarray) -> np.ndarray:
   """[B, T, d] the attacker's client on tokens [B, T] (metered): the rows a decoded text
   would have produced."""
   return ws.map_call(client_of_tokens, (np.asarray(tokens, np.int32),),
-                     64.0 * tokens.shape[1] * ws.cfg.n_embd, consts=(ws.params,), cfg=ws.cfg,
+                     64.0 * tokens.shape[1] * ws.cfg.n_embd, consts=(ws.model_params,), cfg=ws.cfg,
                      k=ws.cut)
 
 

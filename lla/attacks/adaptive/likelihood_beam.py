@@ -268,7 +268,7 @@ class LikelihoodBeam:
     candidates = np.asarray(ws.call(cand_lib.joint_candidates, ranked, clean, c_a=through,
                                     c_g=num - through)) if num > 1 else ranked
 
-    run = functools.partial(ws.scan, step, (ws.params,), cfg=ws.cfg, k=ws.cut,
+    run = functools.partial(ws.scan, step, (ws.model_params,), cfg=ws.cfg, k=ws.cut,
                             mechanism=mechanism, prior_weight=prior_weight)
 
     def search(target, cands):

@@ -547,7 +547,7 @@ def calibrate(ws: Workspace, settings: Settings, meter: Meter,
   epsilon) times the safety factor, at position 0 and at the others separately (a
   calibration document of one token leaves position 0's for both); the refinement's
   contraction is measured on the way."""
-  cfg, k, params = ws.cfg, ws.cut, ws.params
+  cfg, k, params = ws.cfg, ws.cut, ws.model_params
   tokens = np.asarray(ws.calibration_tokens[:settings.calibration_docs], np.int32)
   n, seq_len = tokens.shape
   step = token_step_flops(cfg, k, seq_len)
@@ -843,7 +843,7 @@ class ChunkSearch:
     valid = np.stack([r.valid for r in requests])
     state["visited"], state["record"] = self.meter(
         requests[0].stage, len(docs) * cands.shape[1] * self.step_flops, verify,
-        self.ws.params, state["cache"], self.h, state["visited"], state["record"],
+        self.ws.model_params, state["cache"], self.h, state["visited"], state["record"],
         jnp.asarray(rows), jnp.asarray(self.t[rows]), jnp.asarray(cands), jnp.asarray(valid),
         cfg=self.ws.cfg, real_fraction=len(docs) / len(rows))
     return list(np.asarray(state["record"]["rel"])[docs])
@@ -851,7 +851,7 @@ class ChunkSearch:
   def _linearise(self, d: int) -> np.ndarray:
     ws, state, t = self.ws, self.state, int(self.t[d])
     return np.asarray(self.meter(
-        "brute_force", self.linearise_flops, linearised_order, ws.params, state["cache"],
+        "brute_force", self.linearise_flops, linearised_order, ws.model_params, state["cache"],
         state["visited"], self.e_hat[:, t], jnp.asarray([d], jnp.int32), jnp.int32(t),
         self.h[:, t], cfg=ws.cfg))
 
@@ -885,7 +885,7 @@ class ChunkSearch:
       last = jnp.asarray([r.last for r in requests], jnp.float32)
       out = self.meter.scan(
           "refine", len(docs) * trips * self.refine_flops, refine_iteration,
-          (ws.params, state["cache"], self.h, self.inverse, idx, t, start, self.tol),
+          (ws.model_params, state["cache"], self.h, self.inverse, idx, t, start, self.tol),
           (state["visited"], state["record"], state["e_refined"], seen,
            jnp.ones(n, jnp.bool_), last, log),
           iterations, real_fraction=real, cfg=ws.cfg, num=self.num, iters=s.refine_iters)
@@ -894,7 +894,7 @@ class ChunkSearch:
       reset = s.reset_every * (1 + (self.vocab // _VOCAB_SCALE) * (self.t[rows] == 0))
       out = self.meter.scan(
           "policy", len(docs) * trips * self.policy_flops, policy_iteration,
-          (ws.params, state["cache"], self.h, idx, t, start, jnp.asarray(reset, jnp.int32),
+          (ws.model_params, state["cache"], self.h, idx, t, start, jnp.asarray(reset, jnp.int32),
            self.tol, jnp.float32(s.step_size), jnp.float32(s.grad_clip)),
           (state["visited"], state["record"], state["e_policy"], seen, log),
           iterations, real_fraction=real, cfg=ws.cfg, num=self.num, iters=s.max_iters)
@@ -970,7 +970,7 @@ def known_position0(ws: Workspace, meter: Meter) -> tuple[dict, np.ndarray]:
   """
   cfg, k, n = ws.cfg, ws.cut, ws.num_docs
   token = ws.known_prefix[0]
-  row, kv = meter("known_prefix", token_step_flops(cfg, k, ws.seq_len), known_row, ws.params,
+  row, kv = meter("known_prefix", token_step_flops(cfg, k, ws.seq_len), known_row, ws.model_params,
                   jnp.int32(token), cfg=cfg, k=k, seq_len=ws.seq_len)
   h0 = ws.activations[:, 0].astype(np.float64)
   scale = np.maximum(np.sum(h0**2, -1), np.finfo(np.float32).tiny)

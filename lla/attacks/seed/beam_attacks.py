@@ -49,7 +49,7 @@ def beam_bytes_per_doc(ws: Workspace, width: int, num_candidates: int) -> float:
 
 def run_beam(ws: Workspace, candidates: np.ndarray, width: int) -> np.ndarray:
   """Beam search over all documents in memory-bounded chunks: predictions [B, T] int32."""
-  search = lambda h, c: beam.search(ws.params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
+  search = lambda h, c: beam.search(ws.model_params, ws.cfg, ws.cut, h, c, width, scan=ws.scan,
                                     prefix=ws.known_prefix)[0]
   predictions = ws.map_documents(search, (ws.activations, candidates.astype(np.int32)),
                                  beam_bytes_per_doc(ws, width, candidates.shape[-1]))
