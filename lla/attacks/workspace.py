@@ -64,12 +64,12 @@ XLA_COUNT_CHECKED = ("cpu",)
 # layers stacked once, a range of them one loop of a single layer body, so a program's size
 # and compile time do not grow with the depth or the cut), "unrolled" (one copy of the
 # layer per layer, the HF-named tree), or "auto": unrolled on CPU, scanned elsewhere. On
-# CPU the scan compiles flat in the depth but runs slower warm (every iteration copies its
-# layer's weights out of the stack): at the `cpu` job's GPT-2 (8 layers, d 128, k = 6) the
-# beam search 1.10x and SipIt 1.27x the unrolled wall time, for equal first calls
-# (docs/benchmarks.md section 16, `bench_compile --forms`), so a job of many documents loses
-# more than it compiles. Predictions and charged FLOPs are the same in either form
-# (tests/test_attacks_flops.py).
+# CPU the scan compiles flat in the depth but does not run faster warm (every iteration
+# copies its layer's weights out of the stack): at the `cpu` job's GPT-2 (8 layers, d 128,
+# k = 6) the beam search and SipIt took 0.92-1.27x the unrolled warm time across runs, for
+# equal first calls, and at SmolLM2's shape (30 layers) 1.05-1.06x, its first calls slower
+# too (docs/benchmarks.md section 16, `bench_compile --forms`): the jobs' many documents run
+# warm. Predictions and charged FLOPs are the same in either form (tests/test_attacks_flops.py).
 LAYER_FORMS = ("auto", "scanned", "unrolled")
 
 
