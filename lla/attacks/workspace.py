@@ -91,10 +91,13 @@ def run_steps(step, consts, state, xs, **static):
   return scan_steps(consts, state, xs, step=step, static=tuple(sorted(static.items())))
 
 
-def _flops_of(executable) -> float | None:
+def _flops_of(executable, layer_loops: bool = True) -> float | None:
+  """XLA's FLOPs of one call of a compiled executable, its layer loops counted in full
+  (`_layer_loop_flops`; `layer_loops` False where its arguments hold no stacked layers,
+  which spares reading its HLO text, 20-30 ms an executable); None without a count."""
   try:
     cost = executable.cost_analysis()
-    layer_loops = _layer_loop_flops(executable)
+    loops = _layer_loop_flops(executable) if layer_loops else 0.0
   except Exception:  # Backends without cost analysis raise assorted errors.
     return None
   if isinstance(cost, (list, tuple)):
@@ -102,7 +105,14 @@ def _flops_of(executable) -> float | None:
   if cost is None:
     return None
   # An executable without arithmetic (allocation, gathers) has no "flops" entry: zero.
-  return max(float(cost.get("flops", 0.0)), 0.0) + layer_loops
+  return max(float(cost.get("flops", 0.0)), 0.0) + loops
+
+
+def _holds_layer_stack(tree) -> bool:
+  """Whether a pytree holds a model's stacked layers (`layer_stack.STACK`), the only way a
+  metered executable gets layer loops: attacks pass the parameters as arguments."""
+  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return any(getattr(key, "key", None) == layer_stack.STACK for path, _ in paths for key in path)
 
 
 # A while loop over a model's layers (lla.model.layer_stack.scan) in compiled HLO text: its
@@ -166,7 +176,7 @@ def compiled(jitted, *args, **kwargs):
   dynamic = tuple(kwargs_tree.node_data()[1])
   devices = max((len(x.sharding.device_set) for x in leaves if isinstance(x, jax.Array)),
                 default=1)
-  flops = _flops_of(executable)
+  flops = _flops_of(executable, layer_loops=_holds_layer_stack((args, kwargs)))
   # A partitioned executable's cost analysis is per device.
   _EXECUTABLES[key] = (executable, dynamic, None if flops is None else flops * devices)
   return (*_EXECUTABLES[key], seconds)
